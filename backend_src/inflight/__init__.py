@@ -3,3 +3,11 @@ from .config import EngineConfig
 from .sequence import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 
 __all__ = ["EngineConfig", "FinishReason", "InvalidRequestError", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name):
+    # LLM pulls in torch and transformers: import it only when asked for.
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    raise AttributeError(name)

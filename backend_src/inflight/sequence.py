@@ -120,6 +120,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, memoized by the block manager
         self.is_fast_lane = False
         self.num_preemptions = 0
         self.arrival_index = next(_arrival_counter)

@@ -1,0 +1,185 @@
+"""Paged KV-cache bookkeeping: block pool, per-sequence block tables, ref counts, prefix cache with LRU."""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set once the block is full and registered in the prefix cache
+    token_ids: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+
+
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Hash of a full block given the hash of the block before it, so equal hashes mean equal prefixes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+class BlockManager:
+    """Owns every KV block. A block is in exactly one of: free list, evictable (cached, ref 0), in use."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 cached blocks, oldest first
+        self.hash_to_block: dict[bytes, int] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found
+
+    # ---- pool state -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take: truly free plus cached blocks nobody references."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the sequence's first full blocks, memoized on it (tokens only ever grow)."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+        return hashes[:num_full_blocks]
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of the sequence. The last token is never served from the cache,
+        since its logits are needed to sample, so at most (len - 1) // block_size blocks can hit."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        max_blocks = (len(seq) - 1) // self.block_size
+        for i, block_hash in enumerate(self._block_hashes(seq, max_blocks)):
+            block_id = self.hash_to_block.get(block_hash)
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly filled blocks (KV computed) so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i, block_hash in enumerate(self._block_hashes(seq, num_full)):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None or block_hash in self.hash_to_block:
+                continue  # already published, or an identical block is: keep this one private
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            self.hash_to_block[block_hash] = block.block_id
+
+    # ---- allocation verbs -------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)  # least recently freed cached block
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"block {block_id} taken while referenced"
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.evictable.pop(block_id, None)
+        block.ref_count += 1
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Could the sequence's table cover num_computed + num_new_tokens, leaving `reserve` blocks free?"""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return self.num_free_blocks - max(needed, 0) >= reserve
+
+    def admit(self, seq: Sequence) -> int:
+        """First allocation of a waiting sequence: share cached prefix blocks. Returns tokens served from cache."""
+        assert not seq.block_table, f"{seq} admitted with a block table"
+        hits = self.lookup_prefix(seq)
+        self.prefix_queries += len(seq)
+        self.prefix_hits += len(hits) * self.block_size
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the table so num_computed + num_new_tokens tokens have slots: a new block only when needed."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"allocate: need {needed} blocks, {self.num_free_blocks} free")
+        for _ in range(needed):
+            seq.block_table.append(self._take_block())
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; cached blocks stay findable until evicted (LRU)."""
+        for block_id in reversed(seq.block_table):  # tail first, so a prefix outlives its extensions in LRU
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self.evictable[block_id] = None
+                else:
+                    self.free_ids.append(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- checks -----------------------------------------------------------------------------
+    def is_whole(self) -> bool:
+        """True when nothing holds a block: every block free or evictable, all ref counts zero."""
+        return self.num_free_blocks == self.num_blocks and all(b.ref_count == 0 for b in self.blocks)
+
+    def check_invariants(self, live_seqs: list[Sequence]) -> None:
+        """Raise AssertionError if ref counts disagree with the live block tables or a block is lost."""
+        owners = [0] * self.num_blocks
+        for seq in live_seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
+            for block_id in seq.block_table:
+                owners[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == owners[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}")
+        free = set(self.free_ids)
+        evictable = set(self.evictable)
+        assert len(free) == len(self.free_ids) and not (free & evictable), "a block is listed twice"
+        in_use = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert not (in_use & (free | evictable)), "a referenced block is on a free list"
+        assert len(in_use) + len(free) + len(evictable) == self.num_blocks, "a block is lost"
+
+    def internal_waste(self, live_seqs: list[Sequence]) -> float:
+        """Fraction of allocated slots that hold no token (the tail of each sequence's last block)."""
+        allocated = sum(len(s.block_table) for s in live_seqs) * self.block_size
+        if not allocated:
+            return 0.0
+        used = sum(min(len(s), len(s.block_table) * self.block_size) for s in live_seqs)
+        return 1.0 - used / allocated

@@ -1,0 +1,308 @@
+"""The engine: add_request / abort_request / step(), and the background loop thread that drives it."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from transformers import AutoTokenizer
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .metrics import EngineMetrics
+from .model_runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Sequence,
+                       SequenceStatus)
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_size; the caller should retry later (HTTP 503 / UNAVAILABLE)."""
+
+
+class LLMEngine:
+    """Single-threaded core: every method but make_sequence must be called from one thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        # Two tokenizer objects: encoding runs in request threads, decoding in the engine thread,
+        # and a Rust tokenizer object must not be used from two threads at once.
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self._decode_tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        eos = set(self.runner.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.seqs: dict[str, Sequence] = {}  # live requests by id
+        self._last_prefix = (0, 0)
+        self.step_hook: Callable[[], None] | None = None  # tests inject faults here
+
+    # ---- requests ---------------------------------------------------------------------------
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                      priority: int = 0, arrival_time: float | None = None) -> Sequence:
+        """Validate and tokenize; thread-safe (touches no engine state). Raises InvalidRequestError."""
+        params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            raise InvalidRequestError(f"priority={priority!r} is out of range: allowed a 32-bit integer")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("text_input='' is empty: allowed a prompt of at least 1 token")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            vocab = self.runner.model_config.vocab_size
+            bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]!r} is out of range: allowed [0, {vocab})")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt has 0 tokens: allowed a prompt of at least 1 token")
+        max_tokens = params.max_tokens or min(self.config.default_max_tokens,
+                                              max(1, self.config.max_model_len - len(prompt_ids)))
+        total = len(prompt_ids) + max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} = {total} is out of range: "
+                f"allowed at most max_model_len={self.config.max_model_len}")
+        blocks = self.block_manager.blocks_needed(total)
+        if blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} needs {blocks} KV blocks: "
+                f"allowed at most the whole pool of {self.block_manager.num_blocks}")
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, priority, arrival_time,
+                       prompt if isinstance(prompt, str) else None)
+        seq.bad_word_ids = [self.tokenizer.encode(w) for w in params.bad_words] + \
+            [self.tokenizer.encode(" " + w) for w in params.bad_words]
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise InvalidRequestError(f"request_id={seq.request_id!r} is already in flight: allowed a unique id")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params, priority, arrival_time)
+        self.add_sequence(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a live request: its blocks are freed now and its final output says CANCELLED."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, FinishReason.CANCELLED, time.monotonic())
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After an engine error: every live request gets an ERROR final and the pool is reset."""
+        now = time.monotonic()
+        outs = []
+        for seq in list(self.seqs.values()):
+            seq.error = message
+            outs.append(self._finish(seq, FinishReason.ERROR, now))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        for _ in sched.preempted:
+            self.metrics.on_preemption()
+        if sched.is_empty:
+            self._update_gauges()
+            return []
+        for seq, _ in sched.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = t0
+                self.metrics.on_scheduled(seq, t0)
+                self.metrics.on_prompt_tokens(seq.num_prompt_tokens)
+        if self.step_hook is not None:
+            self.step_hook()
+        logits, sample_seqs = self.runner.execute(sched.scheduled, self.block_manager)
+        for seq, num_new in sched.scheduled:
+            seq.num_computed_tokens += num_new
+            self.block_manager.register_full_blocks(seq)
+        outputs = []
+        if sample_seqs:
+            sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
+            now = time.monotonic()
+            for seq, token, logprob in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._on_token(seq, token, logprob, now))
+        self._record_prefix_stats()
+        self.metrics.on_step(time.monotonic() - t0, sched.num_batched_tokens)
+        self._update_gauges()
+        return outputs
+
+    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> RequestOutput:
+        seq.append_token(token)
+        seq.cumulative_logprob += logprob
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        self.metrics.on_tokens(seq, 1, now)
+        prev_len = len(seq.output_text)
+        self.detokenizer.update(seq)
+        params = seq.params
+        reason = None
+        if params.stop and self.detokenizer.find_stop(seq, prev_len):
+            reason = FinishReason.STOP
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = FinishReason.EOS
+        elif token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.config.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(seq, reason, now, new_token_ids=[token])
+        return RequestOutput(seq.request_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                             cumulative_logprob=seq.cumulative_logprob)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float,
+                new_token_ids: list[int] | None = None) -> RequestOutput:
+        if reason != FinishReason.STOP or not seq.params.stop:
+            self.detokenizer.finalize(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        self.metrics.on_finish(seq, now)
+        return RequestOutput(seq.request_id, new_token_ids or [], self.detokenizer.take_delta(seq, finished=True),
+                             True, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
+                             seq.error)
+
+    def _record_prefix_stats(self) -> None:
+        bm = self.block_manager
+        q0, h0 = self._last_prefix
+        if bm.prefix_queries != q0:
+            self.metrics.on_prefix_lookup(bm.prefix_queries - q0, bm.prefix_hits - h0)
+            self._last_prefix = (bm.prefix_queries, bm.prefix_hits)
+
+    def _update_gauges(self) -> None:
+        bm, sch = self.block_manager, self.scheduler
+        self.metrics.set_gauges(
+            num_requests_running=len(sch.running),
+            num_requests_waiting=len(sch.waiting),
+            num_requests_preempted=sum(1 for s in sch.waiting if s.status == SequenceStatus.PREEMPTED),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_cache_usage=bm.num_used_blocks / bm.num_blocks,
+            kv_internal_waste=bm.internal_waste(sch.running),
+        )
+
+    # ---- checks -----------------------------------------------------------------------------
+    def is_quiescent(self) -> bool:
+        """No request anywhere and the block pool whole: free == total, all ref counts 0."""
+        return not self.seqs and not self.scheduler.waiting and not self.scheduler.running and \
+            self.block_manager.is_whole()
+
+
+class EngineLoop:
+    """Owns the engine thread: steps while there is work, sleeps when idle, applies adds/aborts between
+    steps. `on_outputs` is called from the engine thread with each step's outputs (keep it quick)."""
+
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self.num_engine_errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._inbox.qsize() + self.engine.num_waiting
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Validate here, in the caller's thread (errors go to that caller only), then hand over."""
+        if self._stopping.is_set():
+            raise QueueFullError("engine is shutting down")
+        if self.num_waiting >= self.engine.config.max_queue_size:
+            raise QueueFullError(f"queue is full: {self.num_waiting} requests waiting, "
+                                 f"max_queue_size={self.engine.config.max_queue_size}")
+        seq = self.engine.make_sequence(request_id, prompt, params, priority)
+        self._inbox.put(("add", seq))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop stepping; every request still in flight gets a CANCELLED final through on_outputs."""
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout_s)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        outs = []
+        while True:
+            kind, payload = item
+            if kind == "add":
+                try:
+                    self.engine.add_sequence(payload)
+                except InvalidRequestError as e:  # duplicate id: only this request fails
+                    outs.append(RequestOutput(payload.request_id, [], "", True, FinishReason.ERROR, error=str(e)))
+            elif kind == "abort":
+                out = self.engine.abort_request(payload)
+                if out is not None:
+                    outs.append(out)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if outs:
+            self._deliver(outs)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        try:
+            self.on_outputs(outs)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine thread
+            log.exception("on_outputs callback failed")
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - any engine fault must end requests, not the server
+                self.num_engine_errors += 1
+                log.exception("engine step failed; failing all in-flight requests")
+                outs = self.engine.fail_all(f"engine error: {type(e).__name__}: {e}")
+            if outs:
+                self._deliver(outs)
+        # Shutdown: whatever is still queued or running gets its final response.
+        self._drain_inbox(block=False)
+        outs = [o for o in (self.engine.abort_request(rid) for rid in list(self.engine.seqs)) if o]
+        if outs:
+            self._deliver(outs)
