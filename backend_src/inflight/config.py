@@ -18,6 +18,9 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Static batching (the dynamic-batcher arm): admit a batch only when none runs, never mid-batch,
+    # so finished requests leave their slot idle until the longest one ends.
+    static_batching: bool = False
     fast_lane_share: float = 0.25  # share of each step's token budget kept for the fast lane
     fast_lane_max_prompt_tokens: int = 64  # "short" prompt for the fast lane
     fast_lane_max_tokens: int = 32  # "small" max_tokens for the fast lane

@@ -91,6 +91,8 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if self.config.static_batching and self.running:
+            return
         # Preempted requests come back first, then by priority (lower first), then by arrival.
         queue = sorted(self.waiting, key=lambda s: (s.status != SequenceStatus.PREEMPTED, s.priority,
                                                     s.arrival_index))
