@@ -91,7 +91,10 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        if self.config.static_batching and self.running:
+        if self.config.static_batching:
+            if not self.running:  # the whole batch joins at once; prefill chunks beyond the budget follow
+                self._admit_from(sorted(self.waiting, key=lambda s: (s.priority, s.arrival_index)), budget, out,
+                                 admit_past_budget=True)
             return
         # Preempted requests come back first, then by priority (lower first), then by arrival.
         queue = sorted(self.waiting, key=lambda s: (s.status != SequenceStatus.PREEMPTED, s.priority,
@@ -106,10 +109,11 @@ class Scheduler:
         budget -= self._admit_from(normal, budget, out)
         self._admit_from([s for s in fast if s.status != SequenceStatus.RUNNING], budget, out)
 
-    def _admit_from(self, queue: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+    def _admit_from(self, queue: list[Sequence], budget: int, out: SchedulerOutput,
+                    admit_past_budget: bool = False) -> int:
         used = 0
         for seq in queue:
-            if budget - used <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs or (budget - used <= 0 and not admit_past_budget):
                 break
             hit_ids = self.bm.lookup_prefix(seq)
             num_hit_blocks = len(hit_ids)
@@ -128,7 +132,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.admit_index = next(self._admit_counter)
             self.running.append(seq)
-            out.scheduled.append((seq, num_new))
+            if num_new:
+                out.scheduled.append((seq, num_new))
             used += num_new
         return used
 
