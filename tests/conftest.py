@@ -1,0 +1,40 @@
+"""Shared fixtures. pytest puts this folder on sys.path, so tests can `import triton_server`."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import pytest
+
+from triton_server import TritonServer
+
+
+@pytest.fixture
+def triton_server_factory(tmp_path_factory) -> Iterator[Callable[..., TritonServer]]:
+    """Start real tritonservers: factory(model_repository, extra_args=(), **TritonServer kwargs).
+
+    Each is started ready and stopped at teardown (if the test did not), and the test errors
+    at teardown if a server left a stub process or a shared-memory region behind; a fault
+    test that leaves them on purpose passes check_leftovers=False and asserts them itself.
+    """
+    servers: list[TritonServer] = []
+
+    def start(model_repository, extra_args=(), *, check_leftovers=True, **kwargs) -> TritonServer:
+        log_dir = tmp_path_factory.mktemp("tritonserver")
+        kwargs.setdefault("log_path", log_dir / "server.log")
+        server = TritonServer(model_repository, extra_args, **kwargs)
+        if check_leftovers:
+            servers_checked.append(server)
+        servers.append(server)
+        print(f"tritonserver log: {server.log_path}")  # shown by pytest when a test fails
+        return server.start()
+
+    servers_checked: list[TritonServer] = []
+    yield start
+    problems = []
+    for server in servers:
+        server.stop()
+    for server in servers_checked:
+        problems += server.leftovers()
+    if problems:
+        pytest.fail("tritonserver left things behind:\n" + "\n".join(problems))
