@@ -136,6 +136,11 @@ class Sequence:
         self.num_text_sent = 0  # characters of output_text already handed out as deltas
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        # Sampling state: banned token sequences (the engine tokenizes params.bad_words into these) and the
+        # per-request torch.Generator for seeded sampling, created lazily by the sampler so a seeded request
+        # draws the same noise whatever shares its batch.
+        self.bad_word_ids: list[list[int]] = []
+        self.generator = None  # torch.Generator | None; kept untyped so this module needs no torch import
 
     def __len__(self) -> int:
         return len(self.token_ids)
