@@ -1,0 +1,83 @@
+"""config.pbtxt `parameters` -> EngineConfig + serving options; unknown or malformed names fail the load."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from inflight.config import EngineConfig
+
+from .contract import ContractLimits
+
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    engine: EngineConfig
+    limits: ContractLimits
+    cancel_check_period_s: float = 0.1
+    metrics_interval_s: float = 1.0
+
+
+# name -> (default, lo, hi); glue settings that are not engine options.
+_GLUE_INTS = {
+    "cancel_check_period_ms": (100, 1, 60_000),
+    "metrics_interval_ms": (1000, 10, 3_600_000),
+}
+_LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(ContractLimits))
+
+
+def flatten_triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """{'name': {'string_value': 'v'}} (Triton's JSON form of config.pbtxt parameters) -> {'name': 'v'}."""
+    out = {}
+    for name, value in (model_config.get("parameters") or {}).items():
+        if isinstance(value, Mapping):
+            value = value.get("string_value", "")
+        out[name] = str(value)
+    return out
+
+
+def _int(name: str, raw: str, lo: int, hi: int) -> int:
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"parameter {name}={raw!r} is malformed: expected an integer in [{lo}, {hi}]") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"parameter {name}={value} is out of range: allowed [{lo}, {hi}]")
+    return value
+
+
+def resolve_model_path(raw: str, root: Path) -> Path:
+    """Absolute paths stay; relative ones are taken against the project root (the folder holding
+    backend_src and models). The folder must exist: a typo should fail the load, not the first request."""
+    path = Path(os.path.expandvars(os.path.expanduser(raw.strip())))
+    if not path.is_absolute():
+        path = root / path
+    if not (path / "config.json").is_file():
+        raise ValueError(f"parameter model={raw!r} resolves to {path}, which holds no config.json: "
+                         f"allowed a Hugging Face model folder (absolute, or relative to {root})")
+    return path
+
+
+def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> ServingOptions:
+    """Split config.pbtxt parameters into engine options, request limits and glue settings.
+
+    Blank values (a parameter left as "") mean "use the default"."""
+    params = {k: v for k, v in parameters.items() if str(v).strip() != ""}
+    engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+    known = engine_names | set(_GLUE_INTS) | set(_LIMIT_NAMES)
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"unknown model parameter(s) {', '.join(unknown)}: allowed {', '.join(sorted(known))}")
+    engine_opts = {k: v for k, v in params.items() if k in engine_names}
+    engine_opts["model"] = str(resolve_model_path(engine_opts.get("model", DEFAULT_MODEL), root))
+    try:
+        engine = EngineConfig.from_options(**engine_opts)
+    except ValueError as e:
+        raise ValueError(f"model parameters: {e}") from None
+    limits = ContractLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
+    glue = {n: _int(n, params.get(n, str(d)), lo, hi) for n, (d, lo, hi) in _GLUE_INTS.items()}
+    return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0)

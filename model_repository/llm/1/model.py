@@ -1,0 +1,124 @@
+"""Triton model `llm`: decoupled Python-backend glue that hands each request to the in-flight engine.
+
+Decisions live in backend_src/serving (contract, frontend, metrics export); this file only adapts
+pb_utils: it reads tensors and parameters, wraps response senders and metric families.
+"""
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+log = logging.getLogger("llm")
+
+
+def _backend_src() -> Path:
+    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks followed, so a
+    generated model repository that links to this file still finds the project)."""
+    override = os.environ.get("INFLIGHT_BACKEND_SRC")
+    if override:
+        return Path(override).resolve()
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "backend_src" / "inflight").is_dir():
+            return parent / "backend_src"
+    raise RuntimeError(f"backend_src/inflight not found above {Path(__file__).resolve()}: "
+                       "set INFLIGHT_BACKEND_SRC to the project's backend_src folder")
+
+
+_SRC = _backend_src()
+if str(_SRC) not in sys.path:
+    sys.path.insert(0, str(_SRC))
+
+from inflight.engine import LLMEngine  # noqa: E402
+from serving.frontend import RequestError  # noqa: E402
+from serving.frontend import InflightFrontend  # noqa: E402
+from serving.metrics_export import MetricsExporter  # noqa: E402
+from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
+
+
+def _error_code(name: str):
+    """pb_utils.TritonError code by name, or None where this python backend has no codes."""
+    return getattr(pb_utils.TritonError, name, None)
+
+
+class _TritonTransport:
+    def send(self, sender, outputs, final: bool, error: RequestError | None = None) -> None:
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if error is not None:
+            code = _error_code(error.code)
+            triton_error = (pb_utils.TritonError(error.message, code) if code is not None
+                            else pb_utils.TritonError(f"{error.code}: {error.message}"))
+            response = pb_utils.InferenceResponse(output_tensors=[], error=triton_error)
+        else:
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()])
+        sender.send(response, flags=flags)
+
+    def is_cancelled(self, sender) -> bool:
+        return sender.is_cancelled()
+
+
+class _TritonMetricSink:
+    """pb_utils.MetricFamily per name (kept alive here); used from the exporter thread only."""
+
+    def __init__(self):
+        self._families = {}
+
+    def _family(self, name, description, kind):
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        return family
+
+    def counter(self, name, description, labels):
+        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=dict(labels))
+
+    def gauge(self, name, description, labels):
+        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=dict(labels))
+
+    def histogram(self, name, description, labels, buckets):
+        return self._family(name, description, pb_utils.MetricFamily.HISTOGRAM).Metric(
+            labels=dict(labels), buckets=list(buckets))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
+        self._input_names = [i["name"] for i in model_config["input"]]
+        options = parse_model_parameters(flatten_triton_parameters(model_config), _SRC.parent)
+        log.info("loading %s with %s", options.engine.model, options.engine)
+        self.engine = LLMEngine(options.engine)
+        self.frontend = InflightFrontend(self.engine, _TritonTransport(), options.limits,
+                                         options.cancel_check_period_s)
+        self.exporter = MetricsExporter(
+            self.engine.metrics.snapshot, _TritonMetricSink(),
+            {"model": args["model_name"], "version": args["model_version"]}, options.metrics_interval_s)
+        self.frontend.start()
+        self.exporter.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in self._input_names:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parameters = json.loads(request.parameters() or "{}")
+            except Exception as e:  # noqa: BLE001 - this request only
+                _TritonTransport().send(sender, None, True, RequestError(f"unreadable request: {e}", "INVALID_ARG"))
+                continue
+            self.frontend.submit(sender, request.request_id(), inputs, parameters)
+        return None
+
+    def finalize(self):
+        # Every in-flight request gets its final (CANCELLED: server shutting down) before threads end.
+        self.frontend.close()
+        self.exporter.stop()
