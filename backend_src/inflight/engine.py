@@ -39,8 +39,8 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler()
-        self.metrics = EngineMetrics()
+        self.sampler = Sampler(seed=config.seed)
+        self.metrics = EngineMetrics(config.max_num_batched_tokens)
         eos = set(self.runner.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -163,7 +163,8 @@ class LLMEngine:
         self.detokenizer.update(seq)
         params = seq.params
         reason = None
-        if params.stop and self.detokenizer.find_stop(seq, prev_len):
+        stop_string_matched = bool(params.stop) and self.detokenizer.find_stop(seq, prev_len)
+        if stop_string_matched:
             reason = FinishReason.STOP
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = FinishReason.EOS
@@ -172,14 +173,14 @@ class LLMEngine:
         elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(seq, reason, now, new_token_ids=[token])
+            return self._finish(seq, reason, now, [token], stop_string_matched)
         return RequestOutput(seq.request_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
                              num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                              cumulative_logprob=seq.cumulative_logprob)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float,
-                new_token_ids: list[int] | None = None) -> RequestOutput:
-        if reason != FinishReason.STOP or not seq.params.stop:
+                new_token_ids: list[int] | None = None, stop_string_matched: bool = False) -> RequestOutput:
+        if not stop_string_matched:  # the text was cut at the stop string: finalize would restore it
             self.detokenizer.finalize(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -58,14 +58,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = _gather_context(k_cache, meta.block_tables[i], ctx_len)
         v = _gather_context(v_cache, meta.block_tables[i], ctx_len)
         q = query[s:e].transpose(0, 1)  # [heads, q_len, d]
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0)
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        # enable_gqa lets SDPA broadcast each K/V head over its query group instead of copying it.
         if ctx_len == q_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -81,11 +81,11 @@ def _decode_batch(query, k_cache, v_cache, meta, scale, rows, starts, group, out
     n = len(rows)
     k = k_cache[tables].reshape(n, max_blocks * block_size, *k_cache.shape[2:])  # [n, L, kvh, d]
     v = v_cache[tables].reshape(n, max_blocks * block_size, *v_cache.shape[2:])
-    k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # [n, heads, L, d]
-    v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    k = k.transpose(1, 2)  # [n, kv_heads, L, d]
+    v = v.transpose(1, 2)
     token_idx = torch.tensor([starts[i] for i in rows], device=query.device)
     q = query.index_select(0, token_idx).unsqueeze(2)  # [n, heads, 1, d]
     lens_t = torch.tensor(lens, device=query.device)
     mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < lens_t[:, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
     out.index_copy_(0, token_idx, o.squeeze(2))
