@@ -1,0 +1,135 @@
+"""The gRPC side: which models speak our contract, and one streaming call per generation."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException
+
+from .errors import APIError, from_triton, model_not_found
+from .triton_io import Delta, ModelInfo, build_request, make_infer_inputs, parse_response
+
+log = logging.getLogger(__name__)
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _triton_error(e: Exception) -> APIError:
+    if isinstance(e, grpc.RpcError):  # the aio stream raises grpc's own errors, not tritonclient's
+        return from_triton(e.details() or str(e), str(e.code()))
+    if isinstance(e, InferenceServerException):
+        return from_triton(e.message() or str(e), e.status())
+    return APIError(500, f"{type(e).__name__}: {e}")
+
+
+def _is_final(result: Any) -> bool:
+    # Triton marks each streamed response with triton_final_response; the finish_reason output is what
+    # our contract promises, this flag is the fallback for a model that lacks it.
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+class TritonBackend:
+    """Must be created inside the running event loop (grpc.aio binds its channel to it)."""
+
+    def __init__(self, url: str, tokenizers: dict[str, str] | None = None,
+                 model_repository: str | None = None):
+        self.client = InferenceServerClient(url)
+        self.tokenizers = dict(tokenizers or {})
+        # Our llm model resolves a relative model path against the project root; other models may mean the
+        # server's working directory or the repository. Try each.
+        self.search_roots = [_PROJECT_ROOT, Path.cwd()]
+        if model_repository:
+            self.search_roots += [Path(model_repository), Path(model_repository).parent]
+        self._models: dict[str, ModelInfo] = {}
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def is_ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready()
+        except Exception:  # noqa: BLE001 - not ready is the answer to any failure here
+            return False
+
+    async def _load_info(self, name: str) -> ModelInfo | None:
+        try:
+            cfg = (await self.client.get_model_config(name, as_json=True))["config"]
+        except InferenceServerException as e:
+            # Triton answers an unknown or unloaded model with UNAVAILABLE too; only its words tell that
+            # apart from an unreachable server, which must stay a 503 rather than become a 404.
+            msg = (e.message() or "").lower()
+            if "unknown model" in msg or "not found" in msg or "not ready" in msg:
+                return None
+            raise _triton_error(e) from e
+        info = ModelInfo.from_config(cfg, self.search_roots + [r / name for r in self.search_roots])
+        if name in self.tokenizers:
+            info.tokenizer_dir = self.tokenizers[name]
+        return info
+
+    async def model(self, name: str) -> ModelInfo:
+        """The model's declared inputs and outputs, read once; 404 unless it speaks the contract."""
+        info = self._models.get(name)
+        if info is None:
+            async with self._lock:
+                info = self._models.get(name) or await self._load_info(name)
+                if info is not None and info.speaks_contract:
+                    self._models[name] = info
+        if info is None or not info.speaks_contract:
+            raise model_not_found(name)
+        return info
+
+    async def list_models(self) -> list[ModelInfo]:
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+        except InferenceServerException as e:
+            raise _triton_error(e) from e
+        names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        out = []
+        for name in names:
+            try:
+                out.append(await self.model(name))
+            except APIError:
+                continue  # a model outside the contract (a tokenizer step of an ensemble, say)
+        return out
+
+    def forget(self, name: str) -> None:
+        self._models.pop(name, None)
+
+    async def generate(self, info: ModelInfo, prompt: str, sampling: dict[str, Any],
+                       request_id: str) -> AsyncIterator[Delta]:
+        """Yield the model's deltas up to and including the final one. Leaving early (client gone, consumer
+        cancelled) cancels the gRPC call, which Triton turns into a cancelled request the engine drops at its
+        next step. Use with contextlib.aclosing so that happens at once, not at garbage collection."""
+        tensors, params = build_request(info, prompt, sampling)
+        inputs = make_infer_inputs(tensors, info)
+
+        async def requests() -> AsyncIterator[dict]:
+            yield {"model_name": info.name, "inputs": inputs, "request_id": request_id,
+                   "parameters": params or None}
+
+        call = self.client.stream_infer(requests())
+        try:
+            async for result, error in call:
+                if error is not None:  # an error response is the request's final one
+                    raise from_triton(error.message())
+                delta = parse_response(result.as_numpy)
+                if delta.finish_reason is None and _is_final(result):
+                    delta.finish_reason = "stop"  # a model that does not say why it finished
+                yield delta
+                if delta.finish_reason:
+                    return
+            raise APIError(500, f"model {info.name!r} closed the stream without a final response")
+        except (grpc.RpcError, InferenceServerException) as e:
+            err = _triton_error(e)
+            if err.status == 404:
+                self.forget(info.name)
+            raise err from e
+        finally:
+            # After a final response this is a no-op; otherwise it is how the request gets cancelled.
+            call.cancel()

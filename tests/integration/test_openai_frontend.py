@@ -1,0 +1,318 @@
+"""The OpenAI frontend against the real stack (tritonserver + llm models + `python -m openai_frontend`),
+driven by the official openai client, sync and async.
+
+One server for the module with three models: `tiny` (random 2-layer Llama: fast, text is noise),
+`smol` (SmolLM2-135M-Instruct: where the chat template must matter) and `tiny_q1` (max_num_seqs=1,
+max_queue_size=1, to fill the queue on purpose).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import openai
+import pytest
+
+from openai_stack import ROOT, FrontendProcess, grpc_generate, make_model_repository, scrape
+from triton_server import TritonServer
+
+TINY = ROOT / "models" / "tiny-llama"
+SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_MAX_TOKENS = 40  # set on `tiny`; OpenAI's legacy default would be 16
+SMALL_KV = str(64 << 20)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    for folder in (TINY, SMOL):
+        if not (folder / ".complete").exists():
+            pytest.skip(f"{folder} missing: run scripts/prepare_models.py")
+    tmp = tmp_path_factory.mktemp("openai_stack")
+    repo = make_model_repository(tmp / "repo", {
+        "tiny": {"model": TINY, "default_max_tokens": DEFAULT_MAX_TOKENS, "kv_cache_memory_bytes": SMALL_KV,
+                 "metrics_interval_ms": 200, "cancel_check_period_ms": 50},
+        "smol": {"model": SMOL, "kv_cache_memory_bytes": SMALL_KV},
+        "tiny_q1": {"model": TINY, "max_num_seqs": 1, "max_queue_size": 1, "kv_cache_memory_bytes": SMALL_KV,
+                    "metrics_interval_ms": 200},
+    })
+    server = TritonServer(repo, log_path=tmp / "server.log")
+    with server:
+        with FrontendProcess(server.grpc_url, tmp / "frontend.log") as frontend:
+            yield server, frontend
+    assert server.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    # max_retries=0: the client would otherwise retry a 503 and hide it.
+    return openai.OpenAI(base_url=f"{stack[1].base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient_url(stack):
+    return f"{stack[1].base_url}/v1"
+
+
+def run_async(coro_fn, base_url):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as ac:
+            return await coro_fn(ac)
+    return asyncio.run(main())
+
+
+def greedy(**kw):
+    return {"temperature": 0, **kw}
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+def test_models_lists_contract_models_and_unknown_is_404(client):
+    ids = {m.id for m in client.models.list().data}
+    assert {"tiny", "smol", "tiny_q1"} <= ids
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT, stream=True)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+def test_completion_greedy_equals_grpc_path_with_usage(stack, client):
+    server, _ = stack
+    prompt = "The quick brown fox"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True},
+                                  **greedy())
+    text, final = grpc_generate(server.grpc_url, "tiny", prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert r.choices[0].text == text and text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == final["num_input_tokens"] > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    assert r.object == "text_completion" and r.model == "tiny"
+
+
+def test_completion_stream_equals_non_stream_with_usage_chunk(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=30, extra_body={"ignore_eos": True}, **greedy())
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_default_max_tokens_is_the_models_not_16(client):
+    r = client.completions.create(model="tiny", prompt="Count:", extra_body={"ignore_eos": True}, **greedy())
+    assert r.usage.completion_tokens == DEFAULT_MAX_TOKENS and r.choices[0].finish_reason == "length"
+
+
+def test_echo_prefixes_the_prompt(client):
+    kw = dict(model="tiny", prompt="Echo me", max_tokens=5, **greedy())
+    plain = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == "Echo me" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw))
+    assert streamed == echoed
+
+
+def test_stop_string_cuts_the_text_and_says_stop(client):
+    kw = dict(model="tiny", prompt="The weather today", **greedy())
+    base = client.completions.create(max_tokens=30, extra_body={"ignore_eos": True}, **kw).choices[0].text
+    # A stop string from the middle of the greedy text, at a place where it first occurs.
+    cut = len(base) // 2
+    stop = base[cut:cut + 3]
+    while base.index(stop) != cut and cut > 1:
+        cut -= 1
+        stop = base[cut:cut + 3]
+    expected = base[:base.index(stop)]
+    r = client.completions.create(max_tokens=30, stop=[stop, "\x00never"], extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(max_tokens=30, stop=stop, stream=True, extra_body={"ignore_eos": True},
+                                            **kw))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_repeatable(client):
+    kw = dict(model="tiny", prompt="Random words:", max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=4321, **kw).choices[0].text
+    assert a == b and a != c
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+def test_chat_uses_the_models_template(stack, client):
+    server, _ = stack
+    from transformers import AutoTokenizer
+
+    r = client.chat.completions.create(model="smol", messages=CHAT, max_completion_tokens=30, **greedy())
+    assert "Paris" in r.choices[0].message.content  # SmolLM2's answer through its own template
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    tok = AutoTokenizer.from_pretrained(SMOL)
+    rendered = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    text, final = grpc_generate(server.grpc_url, "smol", rendered, max_tokens=30, temperature=0.0)
+    assert r.choices[0].message.content == text  # the frontend sent exactly the rendered template
+    assert r.usage.prompt_tokens == final["num_input_tokens"] == len(tok.encode(rendered))
+
+
+def test_chat_stream_equals_non_stream_sync_and_async(client, aclient_url):
+    kw = dict(model="smol", messages=CHAT + [{"role": "assistant", "content": "Paris."},
+                                             {"role": "user", "content": "And of Italy?"}],
+              max_tokens=20, **greedy())
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    first = chunks[0].choices[0]
+    assert first.delta.role == "assistant" and not first.delta.content and first.finish_reason is None
+    assert chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+    u, fu = chunks[-1].usage, full.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == \
+        (fu.prompt_tokens, fu.completion_tokens, fu.total_tokens)
+
+    async def streamed(ac):
+        out = []
+        async for c in await ac.chat.completions.create(stream=True, **kw):
+            if c.choices and c.choices[0].delta.content:
+                out.append(c.choices[0].delta.content)
+        return "".join(out), (await ac.chat.completions.create(**kw)).choices[0].message.content
+
+    async_streamed, async_full = run_async(streamed, aclient_url)
+    assert async_streamed == async_full == text
+
+
+def test_concurrent_async_requests_all_answered(client, aclient_url):
+    kw = dict(model="tiny", max_tokens=12, extra_body={"ignore_eos": True}, **greedy())
+    prompts = [f"Item {i}:" for i in range(8)]
+    expected = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+
+    async def many(ac):
+        rs = await asyncio.gather(*(ac.completions.create(prompt=p, **kw) for p in prompts))
+        return [r.choices[0].text for r in rs]
+
+    assert run_async(many, aclient_url) == expected  # batching with others does not change greedy text
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"temperature": 500}, "temperature=500"),  # the model's own message passed through
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 100000}, "max_model_len"),
+    ({"n": 2}, "n="),
+    ({"logprobs": 2}, "logprobs"),
+])
+def test_bad_completion_parameters_are_400(client, kwargs, needle):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="x", stream=stream, **kwargs)
+        assert needle in str(e.value.message) or needle in json.dumps(e.value.body)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+    {"response_format": {"type": "json_object"}},
+    {"temperature": -1},
+])
+def test_bad_chat_parameters_are_400(client, kwargs):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**{"model": "smol", "messages": CHAT, **kwargs})
+    assert e.value.body and e.value.body.get("message")
+
+
+class RawRequest:
+    """A POST on a bare socket: sent without waiting for any answer, and dropped at will. (An HTTP client
+    would block until the headers, which a queued request only gets with its first token.)"""
+
+    def __init__(self, base_url: str, path: str, body: dict):
+        host, port = base_url.removeprefix("http://").split(":")
+        payload = json.dumps(body).encode()
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    def read_until(self, marker: bytes) -> bytes:
+        data = b""
+        while marker not in data:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def wait_metrics(server, model, ok, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(server.metrics_url, model)
+        if ok(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{model}: {what} not seen within {timeout_s}s: {m}")
+        time.sleep(0.05)
+
+
+def is_idle(m):
+    return (m.get("vllm:num_requests_running"), m.get("vllm:num_requests_waiting"),
+            m.get("vllm:kv_cache_usage_perc")) == (0, 0, 0)
+
+
+def test_queue_full_is_503(stack, client):
+    """tiny_q1 runs one request and queues one; a third is refused with UNAVAILABLE -> 503."""
+    server, frontend = stack
+    body = {"model": "tiny_q1", "prompt": "x", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    # One at a time: sent together, the second can find the first still queued and be refused itself.
+    held = [RawRequest(frontend.base_url, "/v1/completions", body)]
+    try:
+        wait_metrics(server, "tiny_q1", lambda m: m.get("vllm:num_requests_running") == 1, "one running")
+        held.append(RawRequest(frontend.base_url, "/v1/completions", body))
+        wait_metrics(server, "tiny_q1", lambda m: m.get("vllm:num_requests_running") == 1 and
+                     m.get("vllm:num_requests_waiting") == 1, "one running and one waiting")
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="tiny_q1", prompt="x", max_tokens=5)
+        assert e.value.status_code == 503 and "queue" in e.value.message
+    finally:
+        for r in held:
+            r.close()
+    wait_metrics(server, "tiny_q1", is_idle, "idle after the clients left")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_request(stack, stream):
+    server, frontend = stack
+    before = wait_metrics(server, "tiny", is_idle, "idle")
+    body = {"model": "tiny", "prompt": "Go on and on", "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+    req = RawRequest(frontend.base_url, "/v1/completions", body)
+    try:
+        if stream:
+            assert b"data: " in req.read_until(b"data: ")
+        # The gauges see the request while it runs...
+        wait_metrics(server, "tiny", lambda m: m.get("vllm:num_requests_running", 0) >= 1 and
+                     m.get("vllm:kv_cache_usage_perc", 0) > 0, "a running request")
+    finally:
+        req.close()
+    # ...and once the client is gone, the request is dropped long before its 1900 tokens.
+    after = wait_metrics(server, "tiny", is_idle, "idle after the client left")
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 0 < generated < 1900
