@@ -1,0 +1,51 @@
+"""Triton model `postprocessing`: one llm_dynamic response in, the public outputs out (stateless; the text
+was detokenized incrementally by the engine, see dynamic_arm.interface.to_public_outputs)."""
+import logging
+import os
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+log = logging.getLogger("postprocessing")
+
+
+def _backend_src() -> Path:
+    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks resolved)."""
+    if os.environ.get("INFLIGHT_BACKEND_SRC"):
+        return Path(os.environ["INFLIGHT_BACKEND_SRC"]).resolve()
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "backend_src" / "inflight").is_dir():
+            return parent / "backend_src"
+    raise RuntimeError(f"backend_src not found above {Path(__file__).resolve()}: set INFLIGHT_BACKEND_SRC")
+
+
+_SRC = _backend_src()
+if str(_SRC) not in sys.path:
+    sys.path.insert(0, str(_SRC))
+
+from dynamic_arm.interface import to_public_outputs  # noqa: E402
+
+_INPUTS = ("output_ids", "text_delta", "finish_reason", "num_input_tokens", "num_output_tokens",
+           "cumulative_logprob")
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            inputs = {}
+            for name in _INPUTS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            try:
+                outputs = to_public_outputs(inputs)
+            except (KeyError, ValueError) as e:
+                log.error("malformed llm_dynamic response: %s", e)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(f"internal error in postprocessing: {e}")))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
+        return responses
