@@ -32,9 +32,11 @@ PY=$VENV/bin/python
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 stamp=$VENV/.requirements.sha256
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  say "installing requirements.txt (about 2-3 minutes on a fresh venv)"
+  say "installing requirements.txt (about 3 minutes on a fresh venv)"
+  t0=$SECONDS
   "$PY" -m pip install --quiet -r requirements.txt
   echo "$want" >"$stamp" # written only after pip succeeded
+  say "requirements installed in $((SECONDS - t0)) s"
 fi
 
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -96,4 +98,4 @@ EOF
 
 # 6. Models (converted once, then skipped; see the script's docstring).
 "$PY" scripts/prepare_models.py
-say "done"
+say "done in $SECONDS s"
