@@ -152,7 +152,7 @@ class InflightFrontend:
         with self._lock:
             targets = [e for e in self._inflight.values() if e.client_id == client_id and e.abort_reason is None]
             for entry in targets:
-                entry.abort_reason = f"cancelled by a stop request for id {client_id!r}"
+                entry.abort_reason = "cancelled by a stop request with the same id"
         for entry in targets:
             self.loop.abort_request(entry.internal_id)
         self.transport.send(sender, {"text_output": _bytes_tensor("")}, final=True)
@@ -221,9 +221,10 @@ class InflightFrontend:
             self._send_final_error(entry.sender, RequestError(out.error or "engine error", INTERNAL))
             return
         if reason == FinishReason.CANCELLED:
-            why = entry.abort_reason or ("server is shutting down" if self._closing.is_set() else "cancelled")
-            self._send_final_error(entry.sender, RequestError(f"request {entry.client_id!r} {why}"
-                                                              if entry.client_id else f"request {why}", CANCELLED))
+            why = entry.abort_reason or ("cancelled: the server is shutting down" if self._closing.is_set()
+                                         else "cancelled")
+            name = f"request {entry.client_id!r}" if entry.client_id else "request"
+            self._send_final_error(entry.sender, RequestError(f"{name} {why}", CANCELLED))
             return
         entry.num_tokens_unsent += len(out.new_token_ids)
         text = out.text_delta if entry.req.stream else entry.text + out.text_delta

@@ -120,5 +120,7 @@ class TritonPythonModel:
 
     def finalize(self):
         # Every in-flight request gets its final (CANCELLED: server shutting down) before threads end.
+        log.info("finalize: stopping the engine loop (%d request(s) in flight)", self.frontend.num_inflight)
         self.frontend.close()
         self.exporter.stop()
+        log.info("finalize: done")
