@@ -105,7 +105,7 @@ class InflightFrontend:
             left = list(self._inflight.values())
             self._inflight.clear()
         for entry in left:  # only if the engine thread did not stop in time
-            self._send_final_error(entry.sender, RequestError("server is shutting down", UNAVAILABLE))
+            self._send_final_error(entry.sender, RequestError("server is shutting down", UNAVAILABLE), entry.client_id)
 
     @property
     def num_inflight(self) -> int:
@@ -119,7 +119,7 @@ class InflightFrontend:
         try:
             req = parse_request(inputs, parameters, self.limits)
         except InvalidRequestError as e:
-            self._send_final_error(sender, RequestError(str(e), INVALID_ARG))
+            self._send_final_error(sender, RequestError(str(e), INVALID_ARG), client_id)
             return
         if req.cancel:
             self._cancel_by_client_id(sender, client_id)
@@ -141,7 +141,7 @@ class InflightFrontend:
             with self._lock:
                 mine = self._inflight.pop(internal_id, None) is not None
             if mine:  # else close() took it and already sent its final
-                self._send_final_error(sender, error)
+                self._send_final_error(sender, error, client_id)
 
     def _cancel_by_client_id(self, sender: Any, client_id: str) -> None:
         """TensorRT-LLM's stop=true: cancel the in-flight request(s) that carry this request id."""
@@ -218,13 +218,12 @@ class InflightFrontend:
         """The entry is already out of the in-flight map: this is the last touch of its sender."""
         reason = out.finish_reason
         if reason == FinishReason.ERROR:
-            self._send_final_error(entry.sender, RequestError(out.error or "engine error", INTERNAL))
+            self._send_final_error(entry.sender, RequestError(out.error or "engine error", INTERNAL), entry.client_id)
             return
         if reason == FinishReason.CANCELLED:
             why = entry.abort_reason or ("cancelled: the server is shutting down" if self._closing.is_set()
                                          else "cancelled")
-            name = f"request {entry.client_id!r}" if entry.client_id else "request"
-            self._send_final_error(entry.sender, RequestError(f"{name} {why}", CANCELLED))
+            self._send_final_error(entry.sender, RequestError(f"request {why}", CANCELLED), entry.client_id)
             return
         entry.num_tokens_unsent += len(out.new_token_ids)
         text = out.text_delta if entry.req.stream else entry.text + out.text_delta
@@ -233,7 +232,8 @@ class InflightFrontend:
             self.transport.send(entry.sender, outputs, final=True)
         except Exception as e:  # noqa: BLE001 - e.g. an output too large: still end the request
             log.exception("final response for %s failed", entry.internal_id)
-            self._send_final_error(entry.sender, RequestError(f"internal error: {type(e).__name__}: {e}", INTERNAL))
+            self._send_final_error(entry.sender, RequestError(f"internal error: {type(e).__name__}: {e}", INTERNAL),
+                                   entry.client_id)
 
     def _outputs(self, entry: _InFlight, out: RequestOutput, text: str, final: bool) -> dict[str, np.ndarray]:
         req = entry.req
@@ -252,7 +252,11 @@ class InflightFrontend:
             outputs["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
         return outputs
 
-    def _send_final_error(self, sender: Any, error: RequestError) -> None:
+    def _send_final_error(self, sender: Any, error: RequestError, client_id: str = "") -> None:
+        """The request's one final, as an error. The message starts with the client's request id: a
+        gRPC stream delivers errors without the id, so on a shared stream this is how clients match them."""
+        if client_id:
+            error = RequestError(f"[request id {client_id!r}] {error.message}", error.code)
         try:
             self.transport.send(sender, None, final=True, error=error)
         except Exception:  # noqa: BLE001 - nothing more can be done for this request
