@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton's language helpers are built when triton is first imported (transformers may import it):
+# without a GPU the kernels can only run in the interpreter, which must be chosen before that.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from typing import Callable, Iterator
 
 import pytest

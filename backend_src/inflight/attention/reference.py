@@ -87,5 +87,7 @@ def _decode_batch(query, k_cache, v_cache, meta, scale, rows, starts, group, out
     q = query.index_select(0, token_idx).unsqueeze(2)  # [n, heads, 1, d]
     lens_t = torch.tensor(lens, device=query.device)
     mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < lens_t[:, None]
+    # Padded slots may hold anything (NaN in a never-written block): a 0 weight times NaN is NaN, so zero them.
+    v = v.masked_fill(~mask[:, None, :, None], 0.0)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
     out.index_copy_(0, token_idx, o.squeeze(2))
