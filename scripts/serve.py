@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""`make serve`: run tritonserver on model_repository, print how to talk to it, stop it cleanly.
+
+Environment: HTTP_PORT / GRPC_PORT / METRICS_PORT (default 8000 / 8001 / 8002), BIND_ADDRESS (default
+127.0.0.1; 0.0.0.0 exposes the server to the network), MODEL_REPOSITORY (default model_repository),
+EXIT_TIMEOUT_SECS (default 15), ADMIN_KEY (default: random per run). Extra arguments go to tritonserver.
+Ctrl-C or SIGTERM stops the server by its pid, then checks that none of its python-backend stubs and
+none of their /dev/shm regions are left (and removes any that are).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+# The leftover checks are shared with the test helper: stubs are found in /proc by name, and a stub's
+# argv names its shm region and its server's pid.
+from triton_server import SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions  # noqa: E402
+
+TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
+# Admin-only endpoints need the header "admin-key: <ADMIN_KEY>"; inference, health, metadata, model
+# config and statistics stay open (perf_analyzer and genai-perf read config and statistics).
+RESTRICTED = "model-repository,shared-memory,trace,logging"
+
+
+def env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        port = int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is malformed: expected a port number in [1, 65535]") from None
+    if not 1 <= port <= 65535:
+        raise SystemExit(f"{name}={port} is out of range: allowed [1, 65535]")
+    return port
+
+
+def check_free(address: str, port: int, name: str) -> None:
+    """Triton notices a taken port only after loading every model; say so at once instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+        except OSError as e:
+            raise SystemExit(f"{name}={port} on {address} is not available ({e.strerror}): "
+                             f"set {name} to a free port") from None
+
+
+def die_with_parent() -> None:
+    """In the child: get SIGTERM if serve.py dies without stopping the server."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Stop(Exception):
+    pass
+
+
+def on_signal(signum, frame):
+    raise Stop(signal.Signals(signum).name)
+
+
+def our_stubs(server_pid: int) -> list[tuple[int, list[str]]]:
+    return [(pid, argv) for pid, argv in python_stubs()
+            if len(argv) > STUB_ARG_PARENT and argv[STUB_ARG_PARENT] == str(server_pid)]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 600.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def banner(host: str, http: int, grpc: int, metrics: int, admin_key: str) -> str:
+    h = f"http://{host}:{http}"
+    return f"""
+==> tritonserver is ready (model repository: {os.environ.get('MODEL_REPOSITORY', 'model_repository')})
+  stream tokens over gRPC:
+    .venv/bin/python client/generate.py --url {host}:{grpc} "Why is the sky blue?" --max-tokens 64
+  one response (HTTP generate):
+    curl -s -X POST {h}/v2/models/llm/generate \\
+      -d '{{"text_input": "Why is the sky blue?", "max_tokens": 64, "temperature": 0}}'
+  streamed (server-sent events):
+    curl -N -s -X POST {h}/v2/models/llm/generate_stream \\
+      -d '{{"text_input": "Why is the sky blue?", "max_tokens": 64, "stream": true}}'
+  metrics:  curl -s http://{host}:{metrics}/metrics | grep -E '^vllm:|^inflight:'
+  admin endpoints ({RESTRICTED}) need the header  admin-key: {admin_key}
+  Ctrl-C stops the server.
+"""
+
+
+def stop(proc: subprocess.Popen, exit_timeout_s: int, stub_shm: set[str], shm_before: set[str]) -> int:
+    """SIGTERM by pid, SIGKILL after the grace period; then look for and remove our leftovers."""
+    problems = []
+    if proc.poll() is None:
+        print(f"\n==> stopping tritonserver (pid {proc.pid})", flush=True)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=exit_timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            problems.append(f"tritonserver pid {proc.pid} ignored SIGTERM for {exit_timeout_s + 30} s; sent SIGKILL "
+                            "(an open gRPC stream holds a model until its client disconnects)")
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 5
+    while our_stubs(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, argv in our_stubs(proc.pid):
+        problems.append(f"python backend stub pid {pid} outlived the server: killed")
+        stub_shm.add(argv[STUB_ARG_SHM])
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    live_others = {argv[STUB_ARG_SHM] for _, argv in python_stubs() if len(argv) > STUB_ARG_SHM}
+    for name in sorted((shm_regions() - shm_before) & stub_shm - live_others):
+        problems.append(f"shared memory {SHM_DIR / name} left behind: removed")
+        (SHM_DIR / name).unlink(missing_ok=True)
+    for p in problems:
+        print(f"==> {p}", file=sys.stderr)
+    if not problems:
+        print("==> stopped cleanly: no stub process or shared memory region left", flush=True)
+    return 1 if problems else 0
+
+
+def main(argv: list[str]) -> int:
+    host = os.environ.get("BIND_ADDRESS", "127.0.0.1")
+    http, grpc, metrics = env_port("HTTP_PORT", 8000), env_port("GRPC_PORT", 8001), env_port("METRICS_PORT", 8002)
+    exit_timeout = env_port("EXIT_TIMEOUT_SECS", 15)
+    repo = Path(os.environ.get("MODEL_REPOSITORY", ROOT / "model_repository")).resolve()
+    admin_key = os.environ.get("ADMIN_KEY") or secrets.token_hex(8)
+    if not TRITONSERVER.exists():
+        raise SystemExit(f"{TRITONSERVER} is missing: run `make setup` first")
+    for name, port in (("HTTP_PORT", http), ("GRPC_PORT", grpc), ("METRICS_PORT", metrics)):
+        check_free(host, port, name)
+    args = [str(TRITONSERVER), f"--model-repository={repo}", "--model-control-mode=none",
+            f"--http-address={host}", f"--http-port={http}", f"--grpc-address={host}", f"--grpc-port={grpc}",
+            f"--metrics-address={host}", f"--metrics-port={metrics}", f"--exit-timeout-secs={exit_timeout}",
+            f"--http-restricted-api={RESTRICTED}:admin-key={admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED}:admin-key={admin_key}", *argv]
+    print("==> " + " ".join(a if "admin-key" not in a else a.split(":admin-key")[0] + ":admin-key=***" for a in args),
+          flush=True)
+    shm_before = shm_regions()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    # Own session: a terminal's Ctrl-C reaches serve.py only, which then stops the server by its pid.
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+    stub_shm: set[str] = set()
+    code = 0
+    try:
+        shown = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
+        if not wait_ready(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{http}/v2/health/ready"):
+            print(f"==> tritonserver did not become ready (exit code {proc.poll()})", file=sys.stderr)
+            code = 1
+        else:
+            stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
+            print(banner(shown, http, grpc, metrics, admin_key), flush=True)
+            while proc.poll() is None:
+                time.sleep(0.5)
+            print(f"==> tritonserver exited by itself (code {proc.returncode})", file=sys.stderr)
+            code = 1
+    except Stop as s:
+        print(f"\n==> {s}: shutting down", flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the leftover check
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
+        code = stop(proc, exit_timeout, stub_shm, shm_before) or code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
