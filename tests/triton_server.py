@@ -66,6 +66,25 @@ def shm_regions() -> set[str]:
     return {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")}
 
 
+def shm_mappers() -> dict[str, set[int]]:
+    """Region name -> pids that have it mapped (a server maps every region of its stubs)."""
+    users: dict[str, set[int]] = {}
+    marker = str(SHM_DIR / SHM_PREFIX)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            maps = (entry / "maps").read_text(errors="replace")
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            at = line.find(marker)
+            if at >= 0:
+                name = line[at + len(str(SHM_DIR)) + 1:].split()[0]
+                users.setdefault(name, set()).add(int(entry.name))
+    return users
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the test process dies without stopping us,
     so a killed pytest does not leave a server holding ports. (Tied to the forking thread:
@@ -167,8 +186,8 @@ class TritonServer:
             log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             self._launch()
             if self._wait_ready():
-                # Remember our stubs' regions now: after a crash they can only be guessed.
-                self._our_shm |= {argv[STUB_ARG_SHM] for _, argv in self._our_stubs()}
+                # Remember our regions now: after a crash they can only be guessed.
+                self._remember_our_shm()
                 return self
             if "already in use" not in self.log_text()[log_offset:] or attempt == 2:
                 break
@@ -234,8 +253,8 @@ class TritonServer:
         """
         if self.proc is None or self._problems_checked:
             return
-        self._our_shm |= {argv[STUB_ARG_SHM] for _, argv in self._our_stubs()}
         if self.proc.poll() is None:
+            self._remember_our_shm()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=self.stop_timeout_s)
@@ -246,6 +265,10 @@ class TritonServer:
                 self.proc.kill()
                 self.proc.wait()
         self._check_leftovers()
+
+    def _remember_our_shm(self) -> None:
+        self._our_shm |= {argv[STUB_ARG_SHM] for _, argv in self._our_stubs()}
+        self._our_shm |= {name for name, pids in shm_mappers().items() if self.pid in pids}
 
     def _our_stubs(self) -> list[tuple[int, list[str]]]:
         me = str(self.pid)
@@ -261,10 +284,12 @@ class TritonServer:
         for pid, argv in stubs:
             self._problems.append(f"python backend stub pid {pid} ({argv[1]}) outlived the server")
             self._our_shm.add(argv[STUB_ARG_SHM])
-        # A region that appeared while we ran is ours unless another server's live stub uses it.
+        # A region that appeared while we ran is ours unless another live process (a server
+        # started beside ours, or its stub) uses it; tests of several people share /dev/shm.
         ours = {pid for pid, _ in stubs}
         others = {argv[STUB_ARG_SHM] for pid, argv in python_stubs()
                   if len(argv) > STUB_ARG_SHM and pid not in ours}
+        others |= {name for name, pids in shm_mappers().items() if pids - ours}
         new_shm = sorted(shm_regions() - self._shm_before - others)
         for name in new_shm:
             self._problems.append(f"shared memory {SHM_DIR / name} left behind")
