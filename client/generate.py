@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 
-ERROR_ID = re.compile(r"\[request id '([^']*)'\]")
+ERROR_ID = re.compile(r".*\(request id '([^']*)'\)$", re.S)
 
 
 @dataclass
@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
         while running:
             now, result, error = events.get()
             if result is None:
-                # Errors on a gRPC stream come without the request id; the llm model puts it at the front
-                # of the message. Anything else ends the oldest unfinished request.
+                # Errors on a gRPC stream come without the request id; the llm model puts it
+                # at the end of the message. Anything else ends the oldest unfinished request.
                 match = ERROR_ID.match(error.message() or "")
                 t = by_id.get(match.group(1)) if match else None
                 if t is None or t.done_at is not None:

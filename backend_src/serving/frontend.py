@@ -253,10 +253,11 @@ class InflightFrontend:
         return outputs
 
     def _send_final_error(self, sender: Any, error: RequestError, client_id: str = "") -> None:
-        """The request's one final, as an error. The message starts with the client's request id: a
-        gRPC stream delivers errors without the id, so on a shared stream this is how clients match them."""
+        """The request's one final, as an error. The message ends with the client's request id: a gRPC
+        stream delivers errors without the id, so on a shared stream this is how clients match them. (At the
+        end: clients classify errors by how the message starts, "<field>=<value> ...".)"""
         if client_id:
-            error = RequestError(f"[request id {client_id!r}] {error.message}", error.code)
+            error = RequestError(f"{error.message} (request id {client_id!r})", error.code)
         try:
             self.transport.send(sender, None, final=True, error=error)
         except Exception:  # noqa: BLE001 - nothing more can be done for this request
