@@ -52,6 +52,8 @@ def build_repository(dest: Path, engine_params: Mapping[str, str] | None = None,
             shutil.rmtree(model_dir)
         (model_dir / "1").mkdir(parents=True)
         (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
+        if (source / name / "configs").is_dir():  # alternative configs (--model-config-name) go along as they are
+            shutil.copytree(source / name / "configs", model_dir / "configs")
         source_py = source / name / "1" / "model.py"
         if source_py.exists():
             (model_dir / "1" / "model.py").symlink_to(source_py.resolve())

@@ -50,6 +50,9 @@ class BatchStats:
     num_admitted: int = 0
     num_steps: int = 0
     seconds: float = 0.0
+    step_s: float = 0.0  # in engine.step()
+    send_s: float = 0.0  # in transport.send() (IPC to the server, per response)
+    poll_s: float = 0.0  # in transport.is_cancelled() (IPC to the server, per live request and step)
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -109,16 +112,22 @@ class StaticBatchRunner:
         next_serving_check = time.monotonic() + self.serving_check_period_s
         try:
             while self.engine.has_unfinished_requests():
+                t = time.monotonic()
                 outs = self._poll_cancellations(live)
+                stats.poll_s += time.monotonic() - t
                 if self.is_serving is not None and time.monotonic() >= next_serving_check:
                     next_serving_check = time.monotonic() + self.serving_check_period_s
                     if not self._still_serving():
                         outs += self._abort_all(live, "cancelled: the server is shutting down")
                 if self.engine.has_unfinished_requests():
+                    t = time.monotonic()
                     outs += self._step()
+                    stats.step_s += time.monotonic() - t
                     stats.num_steps += 1
+                t = time.monotonic()
                 for out in outs:
                     self._deliver(live, out)
+                stats.send_s += time.monotonic() - t
         finally:
             # Whatever escaped (an exception in delivery, a bug) still ends every request exactly once.
             for entry in live.values():

@@ -126,8 +126,9 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - the runner already sent every request its final
             log.exception("static batch failed")
             return None
-        log.info("batch of %d requests (%d admitted): %d steps in %.2f s",
-                 len(requests), stats.num_admitted, stats.num_steps, stats.seconds)
+        log.info("batch of %d requests (%d admitted): %d steps in %.2f s (engine %.2f s, sending %.2f s, "
+                 "cancel checks %.2f s)", len(requests), stats.num_admitted, stats.num_steps, stats.seconds,
+                 stats.step_s, stats.send_s, stats.poll_s)
         return None
 
     def _record_batch(self, size: int) -> None:

@@ -1,0 +1,231 @@
+"""A/B the batchers: one tritonserver with both arms, identical workloads, a concurrency sweep through
+perf_analyzer (and a genai-perf cross-check), then a report under perf/results/<name>/.
+
+    .venv/bin/python perf/ab_harness.py --quick                      # SmolLM2, < 10 min on 2 cores
+    .venv/bin/python perf/ab_harness.py --workloads mixed --concurrency 16 --requests 96 --name mixed-c16
+    .venv/bin/python perf/ab_harness.py                              # the full sweep (hours on a CPU)
+    .venv/bin/python perf/ab_harness.py --tiny --results-dir /tmp/ab # tiny-llama, seconds (the test suite)
+
+Arms: in-flight = `llm`; dynamic = `llm_ensemble` (preprocessing -> llm_dynamic -> postprocessing).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # triton_server: the tested way to start the real server
+
+import ab_tools  # noqa: E402
+import ab_workloads  # noqa: E402
+from ab_metrics import load_profile, summarize  # noqa: E402
+from ab_repo import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository  # noqa: E402
+from ab_report import Cell, WorkloadInfo, plot, write_csv, write_markdown  # noqa: E402
+from triton_server import TritonServer  # noqa: E402
+
+ARM_MODELS = {"inflight": INFLIGHT_MODEL, "dynamic": DYNAMIC_MODEL}
+ALL_CONCURRENCY = (1, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class Plan:
+    model: Path
+    engine_params: dict[str, str]
+    scale: float
+    sweep: list[tuple[str, tuple[int, ...]]]  # workload -> concurrencies
+    min_requests: int
+    requests_per_client: int
+    cell_timeout_s: float
+    genai: list[tuple[int, int]] = field(default_factory=list)  # (concurrency, requests) per arm
+    torch_threads: int | None = None  # OMP_NUM_THREADS for the model processes; None: torch's default
+
+    def num_requests(self, concurrency: int, fixed: int | None) -> int:
+        return fixed or max(self.min_requests, self.requests_per_client * concurrency)
+
+
+def preset(mode: str) -> Plan:
+    smol = ROOT / "models" / "SmolLM2-135M-Instruct"
+    if mode == "tiny":  # seconds: the test suite runs this end to end
+        tiny = ROOT / "models" / "tiny-llama"
+        return Plan(tiny, {"model": str(tiny), "kv_cache_memory_bytes": str(16 << 20)}, 0.1,
+                    [("mixed", (1, 4)), ("short_short", (4,)), ("long_short", (4,)), ("shared_prefix", (4,))],
+                    min_requests=4, requests_per_client=2, cell_timeout_s=90, genai=[(4, 8)], torch_threads=1)
+    if mode == "quick":  # < 10 minutes on the 2-core CPU: the mixed sweep, the other workloads at 16
+        return Plan(smol, {"model": str(smol)}, 0.15,
+                    [("mixed", (1, 4, 16)), ("short_short", (16,)), ("short_long", (16,)), ("long_short", (16,)),
+                     ("shared_prefix", (16,))],
+                    min_requests=4, requests_per_client=2, cell_timeout_s=400, genai=[(16, 32)])
+    return Plan(smol, {"model": str(smol)}, 0.25, [(w, ALL_CONCURRENCY) for w in ab_workloads.SPECS],
+                min_requests=16, requests_per_client=4, cell_timeout_s=3600, genai=[(16, 64)])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="SmolLM2, mixed sweep + one concurrency for the rest")
+    mode.add_argument("--tiny", action="store_true", help="tiny-llama, a few requests per cell (for tests)")
+    ap.add_argument("--name", help="results folder name (default: the mode and a timestamp)")
+    ap.add_argument("--results-dir", type=Path, default=ROOT / "perf" / "results")
+    ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(ab_workloads.SPECS)}")
+    ap.add_argument("--concurrency", help="comma-separated concurrencies for every chosen workload")
+    ap.add_argument("--requests", type=int, help="requests per cell (default: per-client share of the mode)")
+    ap.add_argument("--scale", type=float, help="token length scale (1 = the seeds' lengths)")
+    ap.add_argument("--model", type=Path, help="Hugging Face folder served by both arms")
+    ap.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS for the server's model processes")
+    ap.add_argument("--no-genai-perf", action="store_true", help="skip the genai-perf cross-check")
+    ap.add_argument("--keep-raw", action="store_true", help="keep perf_analyzer exports and logs in the results")
+    return ap.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> tuple[str, Plan]:
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    plan = preset(mode)
+    if args.model:
+        plan.model = args.model.resolve()
+        plan.engine_params["model"] = str(plan.model)
+    if args.scale:
+        plan.scale = args.scale
+    if args.workloads or args.concurrency:
+        names = args.workloads.split(",") if args.workloads else [w for w, _ in plan.sweep]
+        unknown = [w for w in names if w not in ab_workloads.SPECS]
+        if unknown:
+            raise SystemExit(f"--workloads {unknown[0]!r} is unknown: allowed {', '.join(ab_workloads.SPECS)}")
+        default = dict(plan.sweep)
+        conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+        plan.sweep = [(w, conc or default.get(w, ALL_CONCURRENCY)) for w in names]
+    if args.torch_threads:
+        plan.torch_threads = args.torch_threads
+    if args.no_genai_perf:
+        plan.genai = []
+    return mode, plan
+
+
+def run_cell(server: TritonServer, arm: str, workload: ab_workloads.Workload, concurrency: int, num_requests: int,
+             work: Path, timeout_s: float) -> Cell:
+    model = ARM_MODELS[arm]
+    cell = Cell(workload.name, concurrency, arm, model)
+    stem = work / f"{workload.name}-c{concurrency}-{arm}"
+    input_data = workload.write_input_data(stem.with_suffix(".input.json"))
+    before = ab_tools.dynamic_batch_counts(server.metrics_url) if arm == "dynamic" else {}
+    try:
+        ab_tools.perf_analyzer(model, server.grpc_url, input_data, concurrency, num_requests,
+                               stem.with_suffix(".export.json"), timeout_s)
+        cell.stats = summarize(load_profile(stem.with_suffix(".export.json")))
+    except (ab_tools.ToolError, ValueError, OSError) as e:
+        cell.error = str(e)
+    if arm == "dynamic":
+        cell.batches = ab_tools.batch_delta(before, ab_tools.dynamic_batch_counts(server.metrics_url))
+    return cell
+
+
+def describe(cell: Cell, seconds: float) -> str:
+    if cell.stats is None:
+        return f"FAILED ({seconds:.0f} s): {cell.error.splitlines()[0] if cell.error else '?'}"
+    s = cell.stats
+    extra = f", mean batch {cell.mean_batch:.1f}" if cell.arm == "dynamic" else ""
+    return (f"{s.tokens_per_s:.1f} tok/s, {s.requests_per_s:.2f} req/s, TTFT p50/p99 {s.ttft_p50_ms:.0f}/"
+            f"{s.ttft_p99_ms:.0f} ms, ITL p50 {s.itl_p50_ms:.1f} ms{extra} ({seconds:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode, plan = make_plan(args)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = args.name or f"{mode}-{stamp}"
+    out_dir = args.results_dir / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ab-"))
+    t_start = time.monotonic()
+    load_before = os.getloadavg()
+    print(f"[ab] {mode}: model {plan.model.name}, scale {plan.scale}, sweep {plan.sweep}; results {out_dir}", flush=True)
+
+    from transformers import AutoTokenizer  # after argument errors: this import takes seconds
+    tokenizer = AutoTokenizer.from_pretrained(plan.model)
+    workloads = {}
+    for w, concs in plan.sweep:
+        workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, max(plan.num_requests(c, args.requests) for c in concs))
+
+    repo = build_repository(work / "model_repository", plan.engine_params)
+    env = {"OMP_NUM_THREADS": str(plan.torch_threads)} if plan.torch_threads else {}
+    cells: list[Cell] = []
+    genai: list[dict] = []
+    server = TritonServer(repo, log_path=work / "server.log", startup_timeout_s=900, env=env)
+    print(f"[ab] starting tritonserver (log {server.log_path})", flush=True)
+    with server:
+        print(f"[ab] server ready in {time.monotonic() - t_start:.0f} s at {server.grpc_url}", flush=True)
+        warm = ab_workloads.build("short_short", tokenizer, plan.scale, 4)
+        warm.requests = [ab_workloads.Request(r.prompt, 4) for r in warm.requests]
+        for arm in ARM_MODELS:  # first calls pay for lazy initialisation: keep them out of the figures
+            run_cell(server, arm, warm, 2, 4, work, plan.cell_timeout_s)
+        total = sum(len(c) for _, c in plan.sweep) * 2
+        done = 0
+        for w, concs in plan.sweep:
+            for concurrency in concs:
+                n = plan.num_requests(concurrency, args.requests)
+                workload = workloads[w]
+                cell_workload = ab_workloads.Workload(w, workload.description, workload.requests[:n],
+                                                      workload.prompt_tokens, workload.prefix_tokens)
+                # Alternate which arm goes first, so slow drifts in background load hit both alike.
+                arms = list(ARM_MODELS) if done % 4 == 0 else list(reversed(ARM_MODELS))
+                for arm in arms:
+                    t0 = time.monotonic()
+                    cell = run_cell(server, arm, cell_workload, concurrency, n, work, plan.cell_timeout_s)
+                    cells.append(cell)
+                    done += 1
+                    print(f"[ab] {done}/{total} {w} c={concurrency} n={n} {arm}: "
+                          f"{describe(cell, time.monotonic() - t0)}", flush=True)
+        for concurrency, n in plan.genai:
+            mixed = ab_workloads.build("mixed", tokenizer, plan.scale, 4)
+            lengths = mixed.output_lengths
+            mean = round(sum(lengths) / len(lengths))
+            std = round((sum((x - mean) ** 2 for x in lengths) / len(lengths)) ** 0.5)
+            for arm, model in ARM_MODELS.items():
+                t0 = time.monotonic()
+                entry = {"arm": arm, "model": model, "concurrency": concurrency, "requests": n,
+                         "input_tokens": 32, "output_mean": mean, "output_stddev": std}
+                try:
+                    entry["stats"] = ab_tools.genai_perf(model, server.grpc_url, plan.model, concurrency, n, 32, mean,
+                                                         std, work / f"genai-{arm}", plan.cell_timeout_s)
+                    s = entry["stats"]
+                    print(f"[ab] genai-perf {arm} c={concurrency}: {s.tokens_per_s:.1f} tok/s, TTFT p99 "
+                          f"{s.ttft_p99_ms:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+                except (ab_tools.ToolError, KeyError, ValueError, OSError) as e:
+                    entry["error"] = str(e)
+                    print(f"[ab] genai-perf {arm} FAILED: {str(e).splitlines()[0]}", flush=True)
+                genai.append(entry)
+    leftovers = server.leftovers()
+
+    infos = {w: WorkloadInfo(w, wl.description, wl.prompt_tokens, wl.prefix_tokens, wl.output_lengths, wl.ceiling)
+             for w, wl in workloads.items()}
+    meta = {
+        "name": name, "date (UTC)": stamp, "mode": mode, "model": plan.model.name, "length scale": plan.scale,
+        "machine": f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before / {os.getloadavg()[0]:.2f} after",
+        "OMP_NUM_THREADS": plan.torch_threads or "unset (torch default)",
+        "wall time": f"{time.monotonic() - t_start:.0f} s",
+        "command": "perf/ab_harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "server leftovers": "; ".join(leftovers) or "none",
+    }
+    write_csv(cells, infos, out_dir / "results.csv")
+    plots = plot(cells, infos, out_dir)
+    write_markdown(cells, infos, genai, meta, plots, out_dir / "report.md")
+    if args.keep_raw:
+        shutil.copytree(work, out_dir / "raw", dirs_exist_ok=True, ignore=shutil.ignore_patterns("model_repository"))
+    failed = [c for c in cells if c.stats is None] + [g for g in genai if "stats" not in g]
+    if failed or leftovers:
+        print(f"[ab] kept logs and exports for the failures in {work}", flush=True)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"[ab] report {out_dir / 'report.md'} ({len(cells) - len(failed)} cells ok, {len(failed)} failed, "
+          f"{time.monotonic() - t_start:.0f} s)", flush=True)
+    return 1 if failed or leftovers else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
