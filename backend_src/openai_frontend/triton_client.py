@@ -16,6 +16,7 @@ from .triton_io import Delta, ModelInfo, build_request, make_infer_inputs, parse
 log = logging.getLogger(__name__)
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_DRAIN_TIMEOUT_S = 10.0
 
 
 def _triton_error(e: Exception) -> APIError:
@@ -47,8 +48,11 @@ class TritonBackend:
             self.search_roots += [Path(model_repository), Path(model_repository).parent]
         self._models: dict[str, ModelInfo] = {}
         self._lock = asyncio.Lock()
+        self._drains: set[asyncio.Task] = set()  # finished streams being read to their end
 
     async def close(self) -> None:
+        if self._drains:
+            await asyncio.wait(set(self._drains), timeout=_DRAIN_TIMEOUT_S)
         await self.client.close()
 
     async def is_ready(self) -> bool:
@@ -114,22 +118,45 @@ class TritonBackend:
                    "parameters": params or None}
 
         call = self.client.stream_infer(requests())
+        finished = False  # the model sent its final response (data or error)
         try:
             async for result, error in call:
                 if error is not None:  # an error response is the request's final one
+                    finished = True
                     raise from_triton(error.message())
                 delta = parse_response(result.as_numpy)
                 if delta.finish_reason is None and _is_final(result):
                     delta.finish_reason = "stop"  # a model that does not say why it finished
+                finished = delta.finish_reason is not None
                 yield delta
-                if delta.finish_reason:
+                if finished:
                     return
             raise APIError(500, f"model {info.name!r} closed the stream without a final response")
         except (grpc.RpcError, InferenceServerException) as e:
+            finished = True  # the call itself failed: nothing left to cancel or drain
             err = _triton_error(e)
             if err.status == 404:
                 self.forget(info.name)
             raise err from e
         finally:
-            # After a final response this is a no-op; otherwise it is how the request gets cancelled.
-            call.cancel()
+            if finished:
+                self._drain_later(call)
+            else:
+                call.cancel()  # the client left early: Triton cancels the request
+
+    def _drain_later(self, call: Any) -> None:
+        """Let a finished stream end by itself. Cancelling a stream after its final response makes Triton
+        2.51 keep state for it until shutdown, where it stalls the unload for the whole exit timeout; so
+        read the server's end of stream (it follows the final response at once) in the background, and
+        cancel only if it does not come."""
+        async def drain() -> None:
+            try:
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    async for _ in call:
+                        pass
+            except Exception:  # noqa: BLE001 - timeout or a late error: the request is over either way
+                call.cancel()
+
+        task = asyncio.get_running_loop().create_task(drain())
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
