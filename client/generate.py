@@ -21,7 +21,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 
-ERROR_ID = re.compile(r".*\(request id '([^']*)'\)$", re.S)
+# Our model ends its error messages with "(request id 'ID')"; Triton's own refusals start "[request id: ID]".
+ERROR_ID = re.compile(r"\[request id: ([^\]]*)\]|.*\(request id '([^']*)'\)$", re.S)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 # Errors on a gRPC stream come without the request id; the llm model puts it
                 # at the end of the message. Anything else ends the oldest unfinished request.
                 match = ERROR_ID.match(error.message() or "")
-                t = by_id.get(match.group(1)) if match else None
+                t = by_id.get(match.group(1) or match.group(2)) if match else None
                 if t is None or t.done_at is not None:
                     t = next(x for x in tracked if x.sent_at and x.done_at is None)
                 final = True
