@@ -57,13 +57,14 @@ def preset(mode: str) -> Plan:
         return Plan(tiny, {"model": str(tiny), "kv_cache_memory_bytes": str(16 << 20)}, 0.1,
                     [("mixed", (1, 4)), ("short_short", (4,)), ("long_short", (4,)), ("shared_prefix", (4,))],
                     min_requests=4, requests_per_client=2, cell_timeout_s=90, genai=[(4, 8)], torch_threads=1)
-    if mode == "quick":  # < 10 minutes on the 2-core CPU: the mixed sweep, the other workloads at 16
+    if mode == "quick":  # < 10 minutes on the 2-core CPU: the mixed sweep, the other workloads at 8
         return Plan(smol, {"model": str(smol)}, 0.15,
-                    [("mixed", (1, 4, 16)), ("short_short", (16,)), ("short_long", (16,)), ("long_short", (16,)),
-                     ("shared_prefix", (16,))],
-                    min_requests=4, requests_per_client=2, cell_timeout_s=400, genai=[(16, 32)])
+                    [("mixed", (1, 4, 16)), ("short_short", (8,)), ("short_long", (8,)), ("long_short", (8,)),
+                     ("shared_prefix", (8,))],
+                    min_requests=4, requests_per_client=2, cell_timeout_s=300, genai=[(8, 16)], torch_threads=1)
     return Plan(smol, {"model": str(smol)}, 0.25, [(w, ALL_CONCURRENCY) for w in ab_workloads.SPECS],
-                min_requests=16, requests_per_client=4, cell_timeout_s=3600, genai=[(16, 64)])
+                min_requests=16, requests_per_client=4, cell_timeout_s=3600, genai=[(16, 64)],
+                torch_threads=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
