@@ -113,12 +113,13 @@ class Stream:
         self.results: dict[str, Result] = {}
         self.pending: list[str] = []
 
-    def send(self, model: str, request_id: str, prompt: Any, **values: Any) -> None:
+    def send(self, model: str, request_id: str, prompt: Any, parameters: dict | None = None, **values: Any) -> None:
         values = {"stream": True, "return_num_output_tokens": True, "return_finish_reason": True,
                   "return_num_input_tokens": True, **values}
         self.results[request_id] = Result()
         self.pending.append(request_id)
-        self.client.async_stream_infer(model, make_inputs(prompt, values), request_id=request_id)
+        self.client.async_stream_infer(model, make_inputs(prompt, values), request_id=request_id,
+                                       parameters=parameters)
 
     def wait(self, timeout_s: float = 120.0) -> dict[str, Result]:
         deadline = time.monotonic() + timeout_s
@@ -282,6 +283,17 @@ def test_sixteen_concurrent_streams_get_exact_token_counts(server):
     assert is_ready(server)
 
 
+def test_duplicate_request_ids_are_kept_apart(server):
+    a, b = Stream(server.grpc_url), Stream(server.grpc_url)
+    a.send("llm_tiny", "dup", "First", max_tokens=5, ignore_eos=True)
+    b.send("llm_tiny", "dup", "Second one", max_tokens=9, ignore_eos=True)
+    ra, rb = a.wait()["dup"], b.wait()["dup"]
+    a.close()
+    b.close()
+    assert (ra.error, ra.num_output_tokens) == (None, 5)
+    assert (rb.error, rb.num_output_tokens) == (None, 9)
+
+
 # ---- cancellation --------------------------------------------------------------------------------
 
 def test_cancelled_stream_frees_its_blocks_and_the_server_stays_healthy(server):
@@ -308,6 +320,22 @@ def test_cancelled_stream_frees_its_blocks_and_the_server_stays_healthy(server):
     assert is_ready(server)
     r = generate(server, "llm", "Hi", max_tokens=4, ignore_eos=True)
     assert r.error is None and r.num_output_tokens == 4
+
+
+def test_trtllm_stop_request_cancels_the_request_with_its_id(server):
+    target, stopper = Stream(server.grpc_url), Stream(server.grpc_url)
+    target.send("llm_tiny", "victim", "Keep going", max_tokens=TINY_MAX_MODEL_LEN - 16, ignore_eos=True)
+    deadline = time.monotonic() + 30
+    while target.events.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopper.send("llm_tiny", "victim", "", parameters={"stop": True})  # TensorRT-LLM's cancel flag
+    stop_result = stopper.wait()["victim"]
+    result = target.wait()["victim"]
+    target.close()
+    stopper.close()
+    assert stop_result.error is None and stop_result.data == b""
+    assert result.error is not None and "cancelled by a stop request" in result.error
+    assert result.num_output_tokens < TINY_MAX_MODEL_LEN - 16
 
 
 # ---- bad input ------------------------------------------------------------------------------------

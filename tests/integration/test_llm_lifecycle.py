@@ -1,0 +1,99 @@
+"""The `llm` model's lifecycle on the real tritonserver: a bad config.pbtxt parameter fails the load
+with its name, and `make serve`'s scripts/serve.py starts, answers and stops without leftovers."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from openai_stack import make_model_repository
+from triton_server import TritonServer, free_ports, python_stubs
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "models" / "tiny-llama"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def tiny_repo(tmp_path):
+    if not (TINY / "config.json").exists():
+        pytest.skip(f"{TINY} missing: run `make setup`")
+    return make_model_repository(tmp_path / "repo", {"llm": {"model": TINY, "num_kv_blocks": 64,
+                                                             "max_model_len": 128}})
+
+
+def test_a_bad_parameter_fails_the_load_naming_it(tmp_path):
+    if not (TINY / "config.json").exists():
+        pytest.skip(f"{TINY} missing: run `make setup`")
+    # Two broken models in one server (each load is tried, each failure logged): an unknown name, a
+    # malformed value.
+    repo = make_model_repository(tmp_path / "repo", {"llm_unknown": {"model": TINY}, "llm_malformed": {"model": TINY}})
+    for model, (old, new) in {"llm_unknown": ('key: "max_num_seqs"', 'key: "max_num_sequences"'),
+                              "llm_malformed": ('string_value: "512"', 'string_value: "lots"')}.items():
+        cfg = repo / model / "config.pbtxt"
+        assert old in cfg.read_text()
+        cfg.write_text(cfg.read_text().replace(old, new, 1))
+    server = TritonServer(repo, log_path=tmp_path / "server.log", startup_timeout_s=120)
+    with pytest.raises(RuntimeError):
+        server.start()
+    server.stop()
+    log = server.log_text()
+    unknown = next(line for line in log.splitlines() if "failed to load 'llm_unknown'" in line)
+    assert "max_num_sequences" in unknown and "max_num_seqs" in unknown  # the name, and the allowed names
+    malformed = next(line for line in log.splitlines() if "failed to load 'llm_malformed'" in line)
+    assert "max_num_batched_tokens" in malformed and "'lots'" in malformed
+    assert server.leftovers() == []
+
+
+def test_serve_script_starts_answers_and_stops_cleanly(tiny_repo, tmp_path):
+    http, grpc, metrics = free_ports(3)
+    env = {**os.environ, "MODEL_REPOSITORY": str(tiny_repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
+           "METRICS_PORT": str(metrics), "EXIT_TIMEOUT_SECS": "5", "OPENAI_PORT": "off"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py")], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ctrl-C stops the server" not in log_path.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        banner = log_path.read_text()
+        assert f"client/generate.py --url localhost:{grpc}" in banner
+        assert f"curl -s -X POST http://localhost:{http}/v2/models/llm/generate" in banner
+        assert f"http://localhost:{http}/v2/models/llm/generate_stream" in banner
+        server_pid = _server_pid(proc.pid)
+        # The printed client command works.
+        out = subprocess.run([sys.executable, str(ROOT / "client" / "generate.py"), "--url", f"localhost:{grpc}",
+                              "Hello", "--max-tokens", "5", "--ignore-eos"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert '"completed": 1, "output_tokens": 5' in out.stderr
+        # Admin endpoints are restricted; inference and health are not.
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/repository/index", method="POST")
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(req, timeout=10)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert "stopped cleanly: no stub process or shared memory region left" in text
+    assert not [pid for pid, argv in python_stubs() if len(argv) > 5 and argv[5] == str(server_pid)]
+
+
+def _server_pid(serve_pid: int) -> int:
+    """serve.py's tritonserver child."""
+    children = Path(f"/proc/{serve_pid}/task/{serve_pid}/children").read_text().split()
+    servers = [int(c) for c in children if b"tritonserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(servers) == 1, children
+    return servers[0]
