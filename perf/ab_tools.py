@@ -36,10 +36,16 @@ def _run(cmd: list[str], timeout_s: float, log_path: Path, env: dict[str, str] |
 
 def perf_analyzer(model: str, grpc_url: str, input_data: Path, concurrency: int, request_count: int,
                   export_path: Path, timeout_s: float) -> None:
-    """Streaming gRPC, closed loop at `concurrency`, exactly `request_count` requests measured."""
+    """Streaming gRPC, closed loop at `concurrency`, exactly `request_count` requests measured.
+
+    One client thread: perf_analyzer splits --request-count evenly between its threads, and a thread that
+    drew the long requests keeps working while the others stop, so with several threads concurrency
+    drains long before the last request is sent. One async thread keeps every slot busy until then.
+    (count_windows mode keeps concurrency, but its export drops every request that straddles a window
+    boundary, which are mostly the long ones.)"""
     _run([str(PERF_ANALYZER), "-m", model, "-i", "grpc", "--streaming", "-u", grpc_url,
           "--input-data", str(input_data), "--concurrency-range", str(concurrency),
-          "--request-count", str(request_count), "--max-threads", str(max(16, concurrency)),
+          "--request-count", str(request_count), "--max-threads", "1",
           "--profile-export-file", str(export_path)],
          timeout_s, export_path.with_suffix(".log"))
 
