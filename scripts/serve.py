@@ -3,7 +3,8 @@
 
 Environment: HTTP_PORT / GRPC_PORT / METRICS_PORT (default 8000 / 8001 / 8002), BIND_ADDRESS (default
 127.0.0.1; 0.0.0.0 exposes the server to the network), MODEL_REPOSITORY (default model_repository),
-EXIT_TIMEOUT_SECS (default 15), ADMIN_KEY (default: random per run). Extra arguments go to tritonserver.
+EXIT_TIMEOUT_SECS (default 15), ADMIN_KEY (default: random per run), OPENAI_PORT (default 9000, "off": no
+OpenAI-compatible API). Extra arguments go to tritonserver.
 Ctrl-C or SIGTERM stops the server by its pid, then checks that none of its python-backend stubs and
 none of their /dev/shm regions are left (and removes any that are).
 """
@@ -140,6 +141,46 @@ def stop(proc: subprocess.Popen, exit_timeout_s: int, stub_shm: set[str], shm_be
     return 1 if problems else 0
 
 
+# ---- OpenAI-compatible API (backend_src/openai_frontend, docs/openai.md) ---------------------------------
+# OPENAI_PORT (default 9000; "off" disables it) on BIND_ADDRESS. Started once tritonserver is ready and
+# stopped before it, so none of its gRPC streams holds a model while tritonserver shuts down.
+
+def openai_port() -> int | None:
+    if os.environ.get("OPENAI_PORT", "").lower() == "off":
+        return None
+    return env_port("OPENAI_PORT", 9000)
+
+
+def start_openai(host: str, port: int, grpc: int, repo: Path, admin_key: str) -> subprocess.Popen:
+    grpc_host = "127.0.0.1" if host == "0.0.0.0" else host
+    args = [sys.executable, "-m", "openai_frontend", "--triton-grpc", f"{grpc_host}:{grpc}", "--host", host,
+            "--port", str(port), "--model-repository", str(repo), "--log-level", "warning"]
+    # The admin key lets /v1/models read the (restricted) repository index; by environment, not argv.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "backend_src"), "TRITON_ADMIN_KEY": admin_key}
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True,
+                            preexec_fn=die_with_parent)
+    if wait_ready(proc, f"http://{grpc_host}:{port}/health", timeout_s=60):
+        print(f"==> OpenAI-compatible API on http://{grpc_host}:{port}/v1 (pid {proc.pid})\n"
+              f"    curl -s http://{grpc_host}:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"      -d '{{\"model\": \"llm\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
+              flush=True)
+    else:
+        print(f"==> the OpenAI-compatible API did not start (exit code {proc.poll()})", file=sys.stderr)
+    return proc
+
+
+def stop_openai(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+# ---- end of the OpenAI-compatible API block ---------------------------------------------------------------
+
+
 def main(argv: list[str]) -> int:
     host = os.environ.get("BIND_ADDRESS", "127.0.0.1")
     http, grpc, metrics = env_port("HTTP_PORT", 8000), env_port("GRPC_PORT", 8001), env_port("METRICS_PORT", 8002)
@@ -150,6 +191,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"{TRITONSERVER} is missing: run `make setup` first")
     for name, port in (("HTTP_PORT", http), ("GRPC_PORT", grpc), ("METRICS_PORT", metrics)):
         check_free(host, port, name)
+    oai_port, oai_proc = openai_port(), None  # OpenAI-compatible API
+    if oai_port:
+        check_free(host, oai_port, "OPENAI_PORT")
     args = [str(TRITONSERVER), f"--model-repository={repo}", "--model-control-mode=none",
             f"--http-address={host}", f"--http-port={http}", f"--grpc-address={host}", f"--grpc-port={grpc}",
             f"--metrics-address={host}", f"--metrics-port={metrics}", f"--exit-timeout-secs={exit_timeout}",
@@ -172,6 +216,8 @@ def main(argv: list[str]) -> int:
         else:
             stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
             print(banner(shown, http, grpc, metrics, admin_key), flush=True)
+            if oai_port:  # OpenAI-compatible API
+                oai_proc = start_openai(host, oai_port, grpc, repo, admin_key)
             while proc.poll() is None:
                 time.sleep(0.5)
             print(f"==> tritonserver exited by itself (code {proc.returncode})", file=sys.stderr)
@@ -182,6 +228,7 @@ def main(argv: list[str]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the leftover check
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
+        stop_openai(oai_proc)  # OpenAI-compatible API, before tritonserver
         code = stop(proc, exit_timeout, stub_shm, shm_before) or code
     return code
 

@@ -1,4 +1,7 @@
-"""CLI: python -m openai_frontend --triton-grpc 127.0.0.1:8001 --host 127.0.0.1 --port 9000"""
+"""CLI: python -m openai_frontend --triton-grpc 127.0.0.1:8001 --host 127.0.0.1 --port 9000
+
+TRITON_ADMIN_KEY in the environment: the admin key of a tritonserver that restricts its model-repository
+protocol (as `make serve` does), needed to list models."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(args.triton_grpc, tokenizers, args.model_repository)
+    # From the environment, not argv, so the key does not show in `ps`.
+    app = create_app(args.triton_grpc, tokenizers, args.model_repository, os.environ.get("TRITON_ADMIN_KEY"))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
 
 

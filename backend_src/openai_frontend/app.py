@@ -158,12 +158,12 @@ def _model_card(name: str, created: int) -> dict[str, Any]:
 
 
 def create_app(triton_url: str, tokenizers: dict[str, str] | None = None,
-               model_repository: str | None = None) -> FastAPI:
+               model_repository: str | None = None, admin_key: str | None = None) -> FastAPI:
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.backend = TritonBackend(triton_url, tokenizers, model_repository)
+        app.state.backend = TritonBackend(triton_url, tokenizers, model_repository, admin_key)
         app.state.templates = ChatTemplates()
         warmup = asyncio.create_task(_warm_up(app.state.backend, app.state.templates))
         yield

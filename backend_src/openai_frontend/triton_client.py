@@ -11,7 +11,7 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from .errors import APIError, from_triton, model_not_found
-from .triton_io import Delta, ModelInfo, build_request, make_infer_inputs, parse_response
+from .triton_io import Delta, ModelInfo, build_request, find_tokenizer_dir, make_infer_inputs, parse_response
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ class TritonBackend:
     """Must be created inside the running event loop (grpc.aio binds its channel to it)."""
 
     def __init__(self, url: str, tokenizers: dict[str, str] | None = None,
-                 model_repository: str | None = None):
+                 model_repository: str | None = None, admin_key: str | None = None):
         self.client = InferenceServerClient(url)
+        # `make serve` restricts the model-repository protocol (the index /v1/models lists) to an admin key;
+        # Triton reads it from the header triton-grpc-protocol-<restricted key name>.
+        self._index_headers = {"triton-grpc-protocol-admin-key": admin_key} if admin_key else None
         self.tokenizers = dict(tokenizers or {})
         # Our llm model resolves a relative model path against the project root; other models may mean the
         # server's working directory or the repository. Try each.
@@ -61,9 +64,9 @@ class TritonBackend:
         except Exception:  # noqa: BLE001 - not ready is the answer to any failure here
             return False
 
-    async def _load_info(self, name: str) -> ModelInfo | None:
+    async def _config(self, name: str) -> dict | None:
         try:
-            cfg = (await self.client.get_model_config(name, as_json=True))["config"]
+            return (await self.client.get_model_config(name, as_json=True))["config"]
         except InferenceServerException as e:
             # Triton answers an unknown or unloaded model with UNAVAILABLE too; only its words tell that
             # apart from an unreachable server, which must stay a 503 rather than become a 404.
@@ -71,9 +74,25 @@ class TritonBackend:
             if "unknown model" in msg or "not found" in msg or "not ready" in msg:
                 return None
             raise _triton_error(e) from e
-        info = ModelInfo.from_config(cfg, self.search_roots + [r / name for r in self.search_roots])
+
+    def _roots(self, name: str) -> list[Path]:
+        return self.search_roots + [r / name for r in self.search_roots]
+
+    async def _load_info(self, name: str) -> ModelInfo | None:
+        cfg = await self._config(name)
+        if cfg is None:
+            return None
+        info = ModelInfo.from_config(cfg, self._roots(name))
         if name in self.tokenizers:
             info.tokenizer_dir = self.tokenizers[name]
+        # An ensemble names no weights itself; its tokenizing step does.
+        for step in cfg.get("ensemble_scheduling", {}).get("step", []):
+            if info.tokenizer_dir is not None:
+                break
+            step_cfg = await self._config(step.get("model_name", ""))
+            if step_cfg is not None:
+                params = {k: v.get("string_value", "") for k, v in step_cfg.get("parameters", {}).items()}
+                info.tokenizer_dir = find_tokenizer_dir(params, self._roots(step_cfg["name"]))
         return info
 
     async def model(self, name: str) -> ModelInfo:
@@ -90,7 +109,7 @@ class TritonBackend:
 
     async def list_models(self) -> list[ModelInfo]:
         try:
-            index = await self.client.get_model_repository_index(as_json=True)
+            index = await self.client.get_model_repository_index(headers=self._index_headers, as_json=True)
         except InferenceServerException as e:
             raise _triton_error(e) from e
         names = sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
