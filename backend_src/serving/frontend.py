@@ -9,8 +9,9 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -18,21 +19,13 @@ from inflight.engine import EngineLoop, LLMEngine, QueueFullError
 from inflight.sequence import FinishReason, InvalidRequestError, RequestOutput
 
 from .contract import ContractLimits, ParsedRequest, parse_request
+from .errors import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
+
+__all__ = ["CANCELLED", "INTERNAL", "INVALID_ARG", "UNAVAILABLE", "InflightFrontend", "RequestError", "Transport"]
+from .test_hooks import PARAMETER as FAULT_PARAMETER
+from .test_hooks import FaultInjector, parse_fault
 
 log = logging.getLogger(__name__)
-
-# Error codes, named as Triton's (pb_utils.TritonError) so the transport can map them one to one.
-INVALID_ARG = "INVALID_ARG"
-UNAVAILABLE = "UNAVAILABLE"
-CANCELLED = "CANCELLED"
-INTERNAL = "INTERNAL"
-
-
-@dataclass(frozen=True)
-class RequestError:
-    message: str
-    code: str = INVALID_ARG
-
 
 class Transport(Protocol):
     """How responses leave. `send` with final=True must be the last call ever made for that sender."""
@@ -70,14 +63,30 @@ class InflightFrontend:
     Invariant: a sender is touched (send, is_cancelled) only under self._lock while its entry is in
     self._inflight, except for the final send, which happens after the entry was removed under the lock;
     so nothing can touch a sender after its FINAL flag.
+
+    `is_ready` (optional) asks the host whether this model is still being served. Triton unloads a model
+    (at shutdown, or an explicit unload) only once every in-flight request has had its final, and it calls
+    finalize() only after that; so once the host has said ready and then twice says not ready, every
+    in-flight request is cancelled ("the model is being unloaded") and new ones are refused.
+    `fault_injector` (tests only) becomes the engine's step_hook, armed by the `inject_fault` parameter.
     """
 
     def __init__(self, engine: LLMEngine, transport: Transport, limits: ContractLimits = ContractLimits(),
-                 cancel_check_period_s: float = 0.1):
+                 cancel_check_period_s: float = 0.1, is_ready: Callable[[], bool] | None = None,
+                 ready_check_period_s: float = 0.25, fault_injector: FaultInjector | None = None):
         self.engine = engine
         self.transport = transport
         self.limits = limits
         self.cancel_check_period_s = cancel_check_period_s
+        self.is_ready = is_ready
+        self.ready_check_period_s = ready_check_period_s
+        self.fault_injector = fault_injector
+        if fault_injector is not None:
+            engine.step_hook = fault_injector
+        self._seen_ready = False
+        self._not_ready_count = 0
+        self._next_ready_check = 0.0
+        self.unloading = threading.Event()
         self.loop = EngineLoop(engine, self._on_outputs)
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}
@@ -116,11 +125,21 @@ class InflightFrontend:
     def submit(self, sender: Any, client_id: str, inputs: Mapping[str, Any],
                parameters: Mapping[str, Any] | None = None) -> None:
         """Validate and enqueue one request; any refusal becomes that request's one final error response."""
+        if self.unloading.is_set():
+            self._send_final_error(sender, RequestError("the model is being unloaded: retry on a serving model",
+                                                        UNAVAILABLE), client_id)
+            return
+        fault = None
         try:
+            if self.fault_injector is not None and parameters and FAULT_PARAMETER in parameters:
+                parameters = dict(parameters)
+                fault = parse_fault(parameters.pop(FAULT_PARAMETER))
             req = parse_request(inputs, parameters, self.limits)
         except InvalidRequestError as e:
             self._send_final_error(sender, RequestError(str(e), INVALID_ARG), client_id)
             return
+        if fault is not None:
+            self.fault_injector.arm(fault)
         if req.cancel:
             self._cancel_by_client_id(sender, client_id)
             return
@@ -265,16 +284,44 @@ class InflightFrontend:
 
     # ---- cancellation ------------------------------------------------------------------------------
     def _poll_cancellations(self) -> None:
-        """Once per period (not per token), ask every in-flight sender whether its client gave up."""
+        """Once per period (not per token), ask every in-flight sender whether its client gave up, and
+        now and then the host whether the model is still served."""
         while not self._closing.wait(self.cancel_check_period_s):
+            self._check_ready()
+            unloading = self.unloading.is_set()
             to_abort = []
             with self._lock:
                 for entry in self._inflight.values():
-                    if entry.abort_reason is None and self._is_cancelled(entry):
+                    if entry.abort_reason is not None:
+                        continue
+                    if unloading:
+                        entry.abort_reason = "cancelled: the model is being unloaded"
+                    elif self._is_cancelled(entry):
                         entry.abort_reason = "cancelled by the client"
-                        to_abort.append(entry.internal_id)
+                    else:
+                        continue
+                    to_abort.append(entry.internal_id)
             for internal_id in to_abort:
                 self.loop.abort_request(internal_id)
+
+    def _check_ready(self) -> None:
+        if self.is_ready is None or self.unloading.is_set() or time.monotonic() < self._next_ready_check:
+            return
+        self._next_ready_check = time.monotonic() + self.ready_check_period_s
+        try:
+            ready = bool(self.is_ready())
+        except Exception:  # noqa: BLE001 - Triton raises "Server not ready" while it stops
+            ready = False
+        if ready:
+            self._seen_ready, self._not_ready_count = True, 0
+            return
+        if not self._seen_ready:
+            return  # still loading: not ready yet is normal
+        self._not_ready_count += 1
+        if self._not_ready_count >= 2:  # twice in a row: one odd answer must not cancel everything
+            log.warning("the model is no longer ready (unloading or server stopping): cancelling %d in-flight "
+                        "request(s) so that unloading can proceed", self.num_inflight)
+            self.unloading.set()
 
     def _is_cancelled(self, entry: _InFlight) -> bool:
         try:

@@ -31,11 +31,10 @@ _SRC = _backend_src()
 if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
-from inflight.engine import LLMEngine  # noqa: E402
-from serving.frontend import RequestError  # noqa: E402
-from serving.frontend import InflightFrontend  # noqa: E402
-from serving.metrics_export import MetricsExporter  # noqa: E402
+# Light imports only: a bad config.pbtxt parameter fails the load before torch is imported.
+from serving.errors import RequestError  # noqa: E402
 from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
+from serving.test_hooks import FaultInjector  # noqa: E402
 
 
 def _error_code(name: str):
@@ -92,15 +91,30 @@ class TritonPythonModel:
                 "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
         self._input_names = [i["name"] for i in model_config["input"]]
         options = parse_model_parameters(flatten_triton_parameters(model_config), _SRC.parent)
+        from inflight.engine import LLMEngine
+        from serving.frontend import InflightFrontend
+        from serving.metrics_export import MetricsExporter
+
         log.info("loading %s with %s", options.engine.model, options.engine)
         self.engine = LLMEngine(options.engine)
-        self.frontend = InflightFrontend(self.engine, _TritonTransport(), options.limits,
-                                         options.cancel_check_period_s)
-        self.exporter = MetricsExporter(
-            self.engine.metrics.snapshot, _TritonMetricSink(),
-            {"model": args["model_name"], "version": args["model_version"]}, options.metrics_interval_s)
+        name, version = args["model_name"], args["model_version"]
+        if options.enable_test_hooks:
+            log.warning("enable_test_hooks=true: requests may inject engine faults (inject_fault); tests only")
+        self.frontend = InflightFrontend(
+            self.engine, _TritonTransport(), options.limits, options.cancel_check_period_s,
+            # Triton unloads the model only after every in-flight request had its final: notice the unload
+            # (or server shutdown) and end them, or shutdown waits out --exit-timeout-secs and crashes.
+            is_ready=lambda: pb_utils.is_model_ready(name, str(version)),
+            fault_injector=FaultInjector() if options.enable_test_hooks else None)
+        self.exporter = MetricsExporter(self._metrics_snapshot, _TritonMetricSink(),
+                                        {"model": name, "version": version}, options.metrics_interval_s)
         self.frontend.start()
         self.exporter.start()
+
+    def _metrics_snapshot(self):
+        snap = self.engine.metrics.snapshot()
+        snap["gauges"]["num_requests_inflight"] = self.frontend.num_inflight
+        return snap
 
     def execute(self, requests):
         for request in requests:
@@ -119,7 +133,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        # Every in-flight request gets its final (CANCELLED: server shutting down) before threads end.
+        # Every request still in flight gets its final (CANCELLED: server shutting down) before the threads
+        # end. (Triton 2.51 calls finalize only once no decoupled request is in flight, so normally none is.)
         log.info("finalize: stopping the engine loop (%d request(s) in flight)", self.frontend.num_inflight)
         self.frontend.close()
         self.exporter.stop()
