@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
 
 from openai_stack import ROOT, FrontendProcess, grpc_generate, make_model_repository, scrape
-from triton_server import TritonServer
+from triton_server import TritonServer, free_ports
 
 TINY = ROOT / "models" / "tiny-llama"
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -316,3 +322,36 @@ def test_disconnect_frees_the_request(stack, stream):
     after = wait_metrics(server, "tiny", is_idle, "idle after the client left")
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 0 < generated < 1900
+
+
+# ---- make serve ----------------------------------------------------------------------------------
+
+def test_serve_script_runs_the_openai_api_beside_tritonserver(tmp_path):
+    """scripts/serve.py with OPENAI_PORT: the API answers, lists models through the admin-restricted
+    repository index, and is stopped with the server."""
+    repo = make_model_repository(tmp_path / "repo", {"llm": {"model": TINY, "kv_cache_memory_bytes": SMALL_KV}})
+    http, grpc, metrics, oai = free_ports(4)
+    env = {**os.environ, "MODEL_REPOSITORY": str(repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
+           "METRICS_PORT": str(metrics), "OPENAI_PORT": str(oai), "EXIT_TIMEOUT_SECS": "5"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py")], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "OpenAI-compatible API on" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        frontend_pid = int(re.search(r"OpenAI-compatible API on \S+ \(pid (\d+)\)", log_path.read_text()).group(1))
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{oai}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in api.models.list().data] == ["llm"]
+        r = api.completions.create(model="llm", prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped cleanly" in log_path.read_text()
+    assert not Path(f"/proc/{frontend_pid}").exists()
