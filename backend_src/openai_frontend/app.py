@@ -79,7 +79,7 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Any:
 async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: Delta,
                        deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
     # Starlette cancels this generator when the client disconnects (its listen_for_disconnect task);
-    # aclosing then closes `deltas`, which cancels the gRPC call.
+    # aclosing then closes `deltas`, whose cleanup cancels the gRPC call of an unfinished request.
     async with aclosing(deltas):
         acc = Accumulated()
         try:
