@@ -68,19 +68,25 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarize(timings: list[RequestTiming]) -> CellStats:
-    """A request that produced no token counts as an error."""
+def summarize(runs: list[list[RequestTiming]]) -> CellStats:
+    """One cell from one or more runs of it (rounds alternating with the other arm): throughput adds up the
+    runs' steady windows, latencies pool every request. A request that produced no token is an error."""
+    timings = [t for run in runs for t in run]
     ok = [t for t in timings if t.response_ns]
     if not ok:
         raise ValueError(f"no request of {len(timings)} produced a token: allowed a run with at least one")
-    start = min(t.sent_ns for t in timings)
-    last_sent = max(t.sent_ns for t in timings)
-    end = max(t.response_ns[-1] for t in ok)
-    if last_sent <= start:  # a single request (or all sent at once): the whole run is the window
-        last_sent = end
-    window_tokens = sum(n for t in ok for ts, n in zip(t.response_ns, t.tokens) if start <= ts <= last_sent)
-    window_done = sum(1 for t in ok if t.response_ns[-1] <= last_sent)
-    window_s = (last_sent - start) / 1e9
+    window_tokens = window_done = window_ns = 0
+    for run in runs:
+        done = [t for t in run if t.response_ns]
+        if not done:
+            continue
+        start, last_sent = min(t.sent_ns for t in run), max(t.sent_ns for t in run)
+        if last_sent <= start:  # a single request (or all sent at once): the whole run is the window
+            last_sent = max(t.response_ns[-1] for t in done)
+        window_tokens += sum(n for t in done for ts, n in zip(t.response_ns, t.tokens) if start <= ts <= last_sent)
+        window_done += sum(1 for t in done if t.response_ns[-1] <= last_sent)
+        window_ns += last_sent - start
+    window_s = window_ns / 1e9
     ttft = [(t.response_ns[0] - t.sent_ns) / 1e6 for t in ok]
     e2e = [(t.response_ns[-1] - t.sent_ns) / 1e6 for t in ok]
     itl = [(t.response_ns[-1] - t.response_ns[0]) / 1e6 / (t.num_tokens - 1) for t in ok if t.num_tokens > 1]

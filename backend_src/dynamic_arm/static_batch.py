@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,8 +77,8 @@ def response_outputs(req: ParsedRequest, out: RequestOutput, text: str, token_id
 class StaticBatchRunner:
     """Owns nothing but the engine's use during run(); one run at a time (Triton's execute thread).
 
-    is_serving: probed every serving_check_period_s during a batch; False (or no answer within the period)
-    means the server is unloading the model, and the batch is cancelled so shutdown need not wait for it.
+    is_serving: probed every serving_check_period_s during a batch; False means the server is unloading the
+    model, and the batch is cancelled so shutdown need not wait for it.
     """
 
     def __init__(self, engine: LLMEngine, transport: Transport, is_serving: Callable[[], bool] | None = None,
@@ -93,7 +91,6 @@ class StaticBatchRunner:
         self.is_serving = is_serving
         self.serving_check_period_s = serving_check_period_s
         self._ids = itertools.count()
-        self._probe_pool: ThreadPoolExecutor | None = None
 
     def run(self, items: list[BatchItem]) -> BatchStats:
         t0 = time.monotonic()
@@ -176,16 +173,10 @@ class StaticBatchRunner:
         return outs
 
     def _still_serving(self) -> bool:
-        """is_serving() on a helper thread: no answer within the period counts as unloading."""
-        if self._probe_pool is None:
-            self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynamic-probe")
-        future = self._probe_pool.submit(self.is_serving)
+        """is_serving() in this thread: every stub-to-server call of this model stays on the execute thread,
+        since two threads making such calls at once abort the python backend (boost lock_exception)."""
         try:
-            return bool(future.result(timeout=self.serving_check_period_s))
-        except FutureTimeout:
-            log.warning("is_serving gave no answer in %.1f s: treating the model as unloading",
-                        self.serving_check_period_s)
-            return False
+            return bool(self.is_serving())
         except Exception:  # noqa: BLE001 - a probe that cannot answer must not cancel anything
             log.exception("is_serving probe failed; not probing again")
             self.is_serving = None
