@@ -130,6 +130,7 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
             stem = work / f"{workload.name}-c{concurrency}-{arm}-r{r}"
             input_data = part.write_input_data(stem.with_suffix(".input.json"))
             before = ab_tools.dynamic_batch_counts(server.metrics_url) if arm == "dynamic" else {}
+            steps_before = ab_tools.inflight_step_totals(server.metrics_url) if arm == "inflight" else {}
             try:
                 ab_tools.perf_analyzer(cell.model, server.grpc_url, input_data, concurrency, len(part.requests),
                                        stem.with_suffix(".export.json"), timeout_s)
@@ -139,6 +140,11 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
             if arm == "dynamic":
                 for size, count in ab_tools.batch_delta(before, ab_tools.dynamic_batch_counts(server.metrics_url)).items():
                     cell.batches[size] = cell.batches.get(size, 0) + count
+            else:
+                time.sleep(1.2)  # the engine's metrics reach /metrics once a second
+                after = ab_tools.inflight_step_totals(server.metrics_url)
+                for key, value in after.items():
+                    cell.steps[key] = cell.steps.get(key, 0.0) + value - steps_before[key]
     for arm, cell in cells.items():
         if not cell.error:
             try:
@@ -152,7 +158,7 @@ def describe(cell: Cell, seconds: float) -> str:
     if cell.stats is None:
         return f"FAILED ({seconds:.0f} s): {cell.error.splitlines()[0] if cell.error else '?'}"
     s = cell.stats
-    extra = f", mean batch {cell.mean_batch:.1f}" if cell.arm == "dynamic" else ""
+    extra = f", mean batch {cell.mean_batch:.1f}" if cell.arm == "dynamic" else f", {cell.step_summary}"
     return (f"{s.tokens_per_s:.1f} tok/s, {s.requests_per_s:.2f} req/s, TTFT p50/p99 {s.ttft_p50_ms:.0f}/"
             f"{s.ttft_p99_ms:.0f} ms, ITL p50 {s.itl_p50_ms:.1f} ms{extra} ({seconds:.0f} s)")
 

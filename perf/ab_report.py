@@ -20,6 +20,14 @@ class Cell:
     stats: CellStats | None = None
     error: str = ""
     batches: dict[int, int] = field(default_factory=dict)  # dynamic arm: batch size -> count
+    steps: dict[str, float] = field(default_factory=dict)  # in-flight arm: engine steps, step seconds, tokens
+
+    @property
+    def step_summary(self) -> str:
+        n = self.steps.get("steps", 0)
+        if not n:
+            return ""
+        return f"{1e3 * self.steps['step_s'] / n:.0f} ms/step, {self.steps['tokens'] / n:.1f} tok/step"
 
     @property
     def mean_batch(self) -> float:
@@ -169,7 +177,7 @@ def write_markdown(cells: list[Cell], workloads: dict[str, WorkloadInfo], genai:
                                                              if info.prefix_tokens else "")
                   + f"; output lengths {lengths}; ceiling {info.ceiling:.2f}.", "",
                   "| concurrency | arm | requests | errors | tokens/s | requests/s | TTFT p50 | TTFT p99 | "
-                  "ITL p50 | ITL p99 | e2e p50 | e2e p99 | batches seen |",
+                  "ITL p50 | ITL p99 | e2e p50 | e2e p99 | engine |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for c in sorted((c for c in cells if c.workload == w), key=lambda c: (c.concurrency, c.arm != "inflight")):
             if c.stats is None:
@@ -177,14 +185,16 @@ def write_markdown(cells: list[Cell], workloads: dict[str, WorkloadInfo], genai:
                              "| | | | | | | | | | |")
                 continue
             s = c.stats
-            seen = ", ".join(f"{k}x{v}" for k, v in sorted(c.batches.items())) if c.arm == "dynamic" else ""
+            seen = (", ".join(f"{k}x{v}" for k, v in sorted(c.batches.items())) if c.arm == "dynamic"
+                    else c.step_summary)
             lines.append(f"| {c.concurrency} | {c.arm} | {s.num_requests} | {s.num_errors} | {_f(s.tokens_per_s)} | "
                          f"{_f(s.requests_per_s, 2)} | {_f(s.ttft_p50_ms, 0)} | {_f(s.ttft_p99_ms, 0)} | "
                          f"{_f(s.itl_p50_ms)} | {_f(s.itl_p99_ms)} | {_f(s.e2e_p50_ms, 0)} | {_f(s.e2e_p99_ms, 0)} | {seen} |")
         lines.append("")
     lines += ["Latencies in ms. Throughput over the steady window (first to last request sent, every client busy); "
               "TTFT, ITL (per request: (last - first token time) / (tokens - 1)) and e2e over all requests. "
-              "`batches seen`: size x count of the batches llm_dynamic's execute() received (from /metrics).", ""]
+              "`engine`: in-flight, mean engine step time and tokens per step (prefill included) from its /metrics; "
+              "dynamic, size x count of the batches llm_dynamic's execute() received.", ""]
     if genai:
         lines += ["## genai-perf cross-check", "",
                   "genai-perf 0.0.16 (`--backend vllm`, synthetic prompts, its own token counting by re-tokenizing "

@@ -104,3 +104,25 @@ def dynamic_batch_counts(metrics_url: str) -> dict[int, int]:
 
 def batch_delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
     return {size: after[size] - before.get(size, 0) for size in after if after[size] > before.get(size, 0)}
+
+
+_ENGINE_SERIES = {"step_s": "inflight:step_time_seconds", "tokens": "vllm:iteration_tokens_total"}
+
+
+def inflight_step_totals(metrics_url: str, model: str = "llm") -> dict[str, float]:
+    """The in-flight engine's cumulative step count, step seconds and tokens per step (its histograms'
+    _count and _sum); differences over a run give its mean step time and batch fill."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    totals = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}
+    for line in text.splitlines():
+        if f'model="{model}"' not in line:
+            continue
+        name, value = line.partition("{")[0], line.rsplit(" ", 1)[-1]
+        if name == _ENGINE_SERIES["step_s"] + "_count":
+            totals["steps"] += float(value)
+        elif name == _ENGINE_SERIES["step_s"] + "_sum":
+            totals["step_s"] += float(value)
+        elif name == _ENGINE_SERIES["tokens"] + "_sum":
+            totals["tokens"] += float(value)
+    return totals
