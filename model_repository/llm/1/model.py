@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -34,6 +35,7 @@ if str(_SRC) not in sys.path:
 # Light imports only: a bad config.pbtxt parameter fails the load before torch is imported.
 from serving.errors import RequestError  # noqa: E402
 from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
+from serving.health_probe import HealthProbe, discover_base_url  # noqa: E402
 from serving.test_hooks import FaultInjector  # noqa: E402
 
 
@@ -42,8 +44,19 @@ def _error_code(name: str):
     return getattr(pb_utils.TritonError, name, None)
 
 
+# Every call our threads make into the stub's IPC (response sends, is_cancelled, custom metrics) takes this
+# lock, so at most one of them talks to the server at a time. The python backend is documented to abort on
+# concurrent metric calls; we saw one unexplained boost lock_exception abort with sends, cancellation polls
+# and metric exports running in parallel, and one lock costs microseconds.
+_IPC_LOCK = threading.Lock()
+
+
 class _TritonTransport:
     def send(self, sender, outputs, final: bool, error: RequestError | None = None) -> None:
+        with _IPC_LOCK:
+            self._send(sender, outputs, final, error)
+
+    def _send(self, sender, outputs, final: bool, error: RequestError | None) -> None:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if error is not None:
             code = _error_code(error.code)
@@ -56,7 +69,25 @@ class _TritonTransport:
         sender.send(response, flags=flags)
 
     def is_cancelled(self, sender) -> bool:
-        return sender.is_cancelled()
+        with _IPC_LOCK:
+            return sender.is_cancelled()
+
+
+class _LockedMetric:
+    def __init__(self, metric):
+        self._metric = metric
+
+    def increment(self, value):
+        with _IPC_LOCK:
+            self._metric.increment(value)
+
+    def set(self, value):
+        with _IPC_LOCK:
+            self._metric.set(value)
+
+    def observe(self, value):
+        with _IPC_LOCK:
+            self._metric.observe(value)
 
 
 class _TritonMetricSink:
@@ -65,21 +96,22 @@ class _TritonMetricSink:
     def __init__(self):
         self._families = {}
 
-    def _family(self, name, description, kind):
-        family = self._families.get(name)
-        if family is None:
-            family = self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-        return family
+    def _metric(self, name, description, kind, **kwargs):
+        with _IPC_LOCK:
+            family = self._families.get(name)
+            if family is None:
+                family = self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            return _LockedMetric(family.Metric(**kwargs))
 
     def counter(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=dict(labels))
+        return self._metric(name, description, pb_utils.MetricFamily.COUNTER, labels=dict(labels))
 
     def gauge(self, name, description, labels):
-        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=dict(labels))
+        return self._metric(name, description, pb_utils.MetricFamily.GAUGE, labels=dict(labels))
 
     def histogram(self, name, description, labels, buckets):
-        return self._family(name, description, pb_utils.MetricFamily.HISTOGRAM).Metric(
-            labels=dict(labels), buckets=list(buckets))
+        return self._metric(name, description, pb_utils.MetricFamily.HISTOGRAM, labels=dict(labels),
+                            buckets=list(buckets))
 
 
 class TritonPythonModel:
@@ -103,13 +135,22 @@ class TritonPythonModel:
         self.frontend = InflightFrontend(
             self.engine, _TritonTransport(), options.limits, options.cancel_check_period_s,
             # Triton unloads the model only after every in-flight request had its final: notice the unload
-            # (or server shutdown) and end them, or shutdown waits out --exit-timeout-secs and crashes.
-            is_ready=lambda: pb_utils.is_model_ready(name, str(version)),
+            # (or server shutdown) and end them, or shutdown waits out --exit-timeout-secs and then crashes.
+            is_ready=self._health_probe(name, str(version)),
             fault_injector=FaultInjector() if options.enable_test_hooks else None)
         self.exporter = MetricsExporter(self._metrics_snapshot, _TritonMetricSink(),
                                         {"model": name, "version": version}, options.metrics_interval_s)
         self.frontend.start()
         self.exporter.start()
+
+    @staticmethod
+    def _health_probe(name: str, version: str):
+        base = discover_base_url()
+        if base is None:
+            log.warning("no HTTP endpoint to ask whether %s is still served: requests in flight at shutdown will "
+                        "wait for --exit-timeout-secs", name)
+            return None
+        return HealthProbe(base, name, version)
 
     def _metrics_snapshot(self):
         snap = self.engine.metrics.snapshot()
