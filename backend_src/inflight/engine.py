@@ -48,6 +48,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # live requests by id
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
+        self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
 
     # ---- requests ---------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

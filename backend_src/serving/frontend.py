@@ -66,14 +66,14 @@ class InflightFrontend:
 
     `is_ready` (optional) asks the host whether this model is still being served. Triton unloads a model
     (at shutdown, or an explicit unload) only once every in-flight request has had its final, and it calls
-    finalize() only after that; so once the host has said ready and then twice says not ready, every
-    in-flight request is cancelled ("the model is being unloaded") and new ones are refused.
+    finalize() only after that; so when the host says the model is no longer served, every in-flight request
+    is cancelled ("the model is being unloaded") and new ones are refused.
     `fault_injector` (tests only) becomes the engine's step_hook, armed by the `inject_fault` parameter.
     """
 
     def __init__(self, engine: LLMEngine, transport: Transport, limits: ContractLimits = ContractLimits(),
                  cancel_check_period_s: float = 0.1, is_ready: Callable[[], bool] | None = None,
-                 ready_check_period_s: float = 0.25, fault_injector: FaultInjector | None = None):
+                 ready_check_period_s: float = 0.5, fault_injector: FaultInjector | None = None):
         self.engine = engine
         self.transport = transport
         self.limits = limits
@@ -305,23 +305,27 @@ class InflightFrontend:
                 self.loop.abort_request(internal_id)
 
     def _check_ready(self) -> None:
+        """Ask the host only while requests are in flight (only they can hold an unload up). is_ready gives
+        True, False or None (no answer); two Falses in a row, after a True was seen once, mean unloading."""
         if self.is_ready is None or self.unloading.is_set() or time.monotonic() < self._next_ready_check:
             return
+        with self._lock:
+            if not self._inflight:
+                return
         self._next_ready_check = time.monotonic() + self.ready_check_period_s
         try:
-            ready = bool(self.is_ready())
-        except Exception:  # noqa: BLE001 - Triton raises "Server not ready" while it stops
-            ready = False
+            ready = self.is_ready()
+        except Exception:  # noqa: BLE001 - a broken probe is no answer
+            log.exception("readiness check failed")
+            ready = None
         if ready:
             self._seen_ready, self._not_ready_count = True, 0
-            return
-        if not self._seen_ready:
-            return  # still loading: not ready yet is normal
-        self._not_ready_count += 1
-        if self._not_ready_count >= 2:  # twice in a row: one odd answer must not cancel everything
-            log.warning("the model is no longer ready (unloading or server stopping): cancelling %d in-flight "
-                        "request(s) so that unloading can proceed", self.num_inflight)
-            self.unloading.set()
+        elif ready is False and self._seen_ready:
+            self._not_ready_count += 1
+            if self._not_ready_count >= 2:
+                log.warning("the model is no longer served (unloading, or the server is stopping): cancelling %d "
+                            "in-flight request(s) so that unloading can proceed", self.num_inflight)
+                self.unloading.set()
 
     def _is_cancelled(self, entry: _InFlight) -> bool:
         try:

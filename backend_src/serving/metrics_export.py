@@ -60,6 +60,12 @@ GAUGES = (
     Export("inflight:num_requests_preempted", "num_requests_preempted", "Preempted requests waiting to be recomputed."),
     Export("inflight:kv_internal_waste", "kv_internal_waste", "Fraction of allocated KV slots not holding tokens."),
 )
+# Added by the Triton glue to the snapshot (not an engine gauge): requests accepted by the frontend that
+# have not had their final response yet. 0 when idle; anything else is a request that would hang.
+FRONTEND_GAUGES = (
+    Export("inflight:num_requests_inflight", "num_requests_inflight",
+           "Requests accepted and not yet given their final response."),
+)
 PREFIX_HIT_RATE = Export("vllm:gpu_prefix_cache_hit_rate", "prefix_hit_rate",
                          "Prefix cache hit rate (hit tokens / looked-up tokens) since start.")
 REQUEST_SUCCESS = Export("vllm:request_success_total", "requests_finished_total",
@@ -144,7 +150,7 @@ class MetricsExporter:
             metric = self._metric(key, lambda labels=labels: self._sink.counter(
                 REQUEST_SUCCESS.name, REQUEST_SUCCESS.description, labels))
             self._increment(key, metric, total)
-        for e in GAUGES:
+        for e in GAUGES + tuple(f for f in FRONTEND_GAUGES if f.source in gauges):
             self._metric(e.name, lambda e=e: self._sink.gauge(e.name, e.description, self._labels)).set(
                 float(gauges[e.source]))
         self._metric(PREFIX_HIT_RATE.name, lambda: self._sink.gauge(

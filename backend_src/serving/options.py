@@ -20,6 +20,7 @@ class ServingOptions:
     limits: ContractLimits
     cancel_check_period_s: float = 0.1
     metrics_interval_s: float = 1.0
+    enable_test_hooks: bool = False  # lets the `inject_fault` request parameter arm engine faults
 
 
 # name -> (default, lo, hi); glue settings that are not engine options.
@@ -27,6 +28,7 @@ _GLUE_INTS = {
     "cancel_check_period_ms": (100, 1, 60_000),
     "metrics_interval_ms": (1000, 10, 3_600_000),
 }
+_GLUE_BOOLS = {"enable_test_hooks": False}
 _LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(ContractLimits))
 
 
@@ -50,6 +52,13 @@ def _int(name: str, raw: str, lo: int, hi: int) -> int:
     return value
 
 
+def _bool(name: str, raw: str) -> bool:
+    text = str(raw).strip().lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"parameter {name}={raw!r} is malformed: expected true or false")
+    return text in ("true", "1", "yes")
+
+
 def resolve_model_path(raw: str, root: Path) -> Path:
     """Absolute paths stay; relative ones are taken against the project root (the folder holding
     backend_src and models). The folder must exist: a typo should fail the load, not the first request."""
@@ -68,7 +77,7 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
     Blank values (a parameter left as "") mean "use the default"."""
     params = {k: v for k, v in parameters.items() if str(v).strip() != ""}
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
-    known = engine_names | set(_GLUE_INTS) | set(_LIMIT_NAMES)
+    known = engine_names | set(_GLUE_INTS) | set(_GLUE_BOOLS) | set(_LIMIT_NAMES)
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"unknown model parameter(s) {', '.join(unknown)}: allowed {', '.join(sorted(known))}")
@@ -80,4 +89,6 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
         raise ValueError(f"model parameters: {e}") from None
     limits = ContractLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
     glue = {n: _int(n, params.get(n, str(d)), lo, hi) for n, (d, lo, hi) in _GLUE_INTS.items()}
-    return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0)
+    flags = {n: _bool(n, params[n]) if n in params else d for n, d in _GLUE_BOOLS.items()}
+    return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0,
+                          **flags)
