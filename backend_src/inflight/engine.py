@@ -104,7 +104,9 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        return self._finish(seq, FinishReason.CANCELLED, time.monotonic())
+        out = self._finish(seq, FinishReason.CANCELLED, time.monotonic())
+        self._update_gauges()  # an idle loop takes no further step that would refresh them
+        return out
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """After an engine error: every live request gets an ERROR final and the pool is reset."""
@@ -113,6 +115,7 @@ class LLMEngine:
         for seq in list(self.seqs.values()):
             seq.error = message
             outs.append(self._finish(seq, FinishReason.ERROR, now))
+        self._update_gauges()
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -246,7 +249,7 @@ class EngineLoop:
         if self._stopping.is_set():
             raise QueueFullError("engine is shutting down")
         if self.num_waiting >= self.engine.config.max_queue_size:
-            raise QueueFullError(f"queue is full: {self.num_waiting} requests waiting, "
+            raise QueueFullError(f"queue is full: {self.num_waiting} waiting, "
                                  f"max_queue_size={self.engine.config.max_queue_size}")
         seq = self.engine.make_sequence(request_id, prompt, params, priority)
         self._inbox.put(("add", seq))
