@@ -45,6 +45,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        # No prompt that fits max_model_len tokens is longer than max_model_len of the longest token (x2 for
+        # normalizers that drop characters): longer text is refused before it costs a tokenizer pass.
+        self.max_token_bytes = max(len(self.tokenizer.decode([i]).encode("utf-8")) for i in range(len(self.tokenizer)))
+        self.max_prompt_bytes = 2 * config.max_model_len * self.max_token_bytes
         self.seqs: dict[str, Sequence] = {}  # live requests by id
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
@@ -60,6 +64,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("text_input='' is empty: allowed a prompt of at least 1 token")
+            num_bytes = len(prompt) if len(prompt) > self.max_prompt_bytes else len(prompt.encode("utf-8"))
+            if num_bytes > self.max_prompt_bytes:
+                raise InvalidRequestError(
+                    f"text_input=<{num_bytes} bytes> is out of range: allowed at most {self.max_prompt_bytes} bytes "
+                    f"(max_model_len={self.config.max_model_len} tokens of at most {self.max_token_bytes} bytes, x2)")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
