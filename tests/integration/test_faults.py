@@ -6,7 +6,7 @@ request parameter inject_fault; backend_src/serving/test_hooks.py), so timing wi
 One server for most cases, three copies of the llm model on the tiny random Llama:
   tiny         ample pool (512 blocks), step budget 64 tokens (long prompts prefill in chunks), hooks on
   tiny_pool    24 blocks of 16 tokens (pressure: preemption), hooks off
-  tiny_serial  max_num_seqs 1 (a second request must queue), hooks on
+  tiny_serial  max_num_seqs 1 (a second request must queue), max_queue_size 4, hooks on
 Shutdown and unload get servers of their own.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ MODELS = {
     "tiny": {**COMMON, "num_kv_blocks": 512, "max_model_len": 512, "max_num_batched_tokens": 64,
              "enable_test_hooks": "true"},
     "tiny_pool": {**COMMON, "num_kv_blocks": 24, "max_model_len": 1024},
-    "tiny_serial": {**COMMON, "num_kv_blocks": 64, "max_model_len": 512, "max_num_seqs": 1,
+    "tiny_serial": {**COMMON, "num_kv_blocks": 64, "max_model_len": 512, "max_num_seqs": 1, "max_queue_size": 4,
                     "enable_test_hooks": "true"},
 }
 HOOKED = ("tiny", "tiny_serial")
@@ -143,6 +143,29 @@ def test_cancel_while_queued(server):
     assert finals_problems([runner, queued]) == []
     queued.close(), runner.close()
     wait_metric(server, "tiny_serial", CANCELLED, lambda v: v == before + 2)
+
+
+def test_a_full_queue_refuses_at_once_and_the_queued_still_complete(server):
+    runner = StreamClient(server.grpc_url)
+    runner.send("tiny_serial", "runner", "I run first", {**STREAM, "max_tokens": 30},
+                {"inject_fault": "slow:ms=30,steps=40"})
+    assert runner.wait_responses("runner", 1)
+    c = StreamClient(server.grpc_url)
+    for i in range(4):
+        c.send("tiny_serial", f"q{i}", f"Queued {i}", {**STREAM, "max_tokens": 5})
+    wait_metric(server, "tiny_serial", "vllm:num_requests_waiting", lambda v: v == 4)
+    t0 = time.monotonic()
+    for i in range(2):
+        c.send("tiny_serial", f"over{i}", "One too many", {**STREAM, "max_tokens": 5})
+    assert c.wait_finals(5, ids=["over0", "over1"]) and time.monotonic() - t0 < 5
+    for i in range(2):
+        r = c.records[f"over{i}"]
+        assert r.num_responses == 0 and "queue is full" in r.error and "max_queue_size=4" in r.error
+    assert c.wait_finals(60) and runner.wait_finals(60)
+    assert finals_problems([c, runner]) == []
+    for i in range(4):
+        assert c.records[f"q{i}"].error is None and c.records[f"q{i}"].num_output_tokens == 5
+    c.close(), runner.close()
 
 
 def test_cancel_during_prefill(server):
