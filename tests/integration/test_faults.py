@@ -171,9 +171,9 @@ def test_a_full_queue_refuses_at_once_and_the_queued_still_complete(server):
 def test_cancel_during_prefill(server):
     before = scrape(server.metrics_url, "tiny")
     c = StreamClient(server.grpc_url)
-    # ~420 prompt tokens at 64 per step: 7 prefill steps of >= 150 ms each before any token exists.
+    # ~420 prompt tokens at 64 per step: 7 prefill steps of >= 300 ms each before any token exists.
     c.send("tiny", "long_prompt", "word " * 420, {**STREAM, "max_tokens": 8},
-           {"inject_fault": "slow:ms=150,steps=10"})
+           {"inject_fault": "slow:ms=300,steps=10"})
     wait_metric(server, "tiny", "vllm:num_requests_running", lambda v: v == 1)
     assert c.records["long_prompt"].num_responses == 0, "prefill finished before the cancel"
     c.close(cancel=True)
