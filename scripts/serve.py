@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from triton_server import SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions  # noqa: E402
 
 TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
-# Admin-only endpoints need the header "admin-key: <ADMIN_KEY>"; inference, health, metadata, model
-# config and statistics stay open (perf_analyzer and genai-perf read config and statistics).
+# Admin-only endpoints need the header "admin-key: <ADMIN_KEY>" (on gRPC, Triton 2.51 prefixes it:
+# "triton-grpc-protocol-admin-key"); inference, health, metadata, model config and statistics stay open
+# (perf_analyzer and genai-perf read config and statistics).
 RESTRICTED = "model-repository,shared-memory,trace,logging"
 
 
@@ -103,6 +104,7 @@ def banner(host: str, http: int, grpc: int, metrics: int, admin_key: str) -> str
       -d '{{"text_input": "Why is the sky blue?", "max_tokens": 64, "stream": true}}'
   metrics:  curl -s http://{host}:{metrics}/metrics | grep -E '^vllm:|^inflight:'
   admin endpoints ({RESTRICTED}) need the header  admin-key: {admin_key}
+    (on gRPC Triton 2.51 expects it as  triton-grpc-protocol-admin-key: {admin_key})
   Ctrl-C stops the server.
 """
 
