@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     infos = {w: WorkloadInfo(w, wl.description, wl.prompt_tokens, wl.prefix_tokens, wl.output_lengths, wl.ceiling)
              for w, wl in workloads.items()}
     meta = {
-        "name": name, "date (UTC)": stamp, "mode": mode, "model": plan.model.name, "length scale": plan.scale,
+        "name": name, "date (UTC)": stamp,
+        "mode": mode + (" preset, custom sweep" if args.workloads or args.concurrency else ""), "model": plan.model.name, "length scale": plan.scale,
         "machine": f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before / {os.getloadavg()[0]:.2f} after",
         "OMP_NUM_THREADS": plan.torch_threads or "unset (torch default)",
         "wall time": f"{time.monotonic() - t_start:.0f} s",

@@ -113,9 +113,9 @@ def plot(cells: list[Cell], workloads: dict[str, WorkloadInfo], out_dir: Path) -
         for ax, (m, title) in zip(row, metrics):
             for arm in ARMS:
                 color, marker, label = style[arm]
-                for q, ls in (("p50", "--"), ("p99", "-")):
+                for q, ls, face in (("p50", "--", "none"), ("p99", "-", color)):
                     ax.plot(*series(w, arm, f"{m}_{q}_ms"), color=color, marker=marker, linestyle=ls,
-                            label=f"{label} {q}")
+                            markerfacecolor=face, label=f"{label} {q}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{w}: {title}", fontsize=9)
