@@ -16,7 +16,8 @@ _NEG_INF = float("-inf")
 class SamplerOutput:
     """One entry per input row.
 
-    logprobs[i] is the log-probability of token_ids[i] under the distribution row i was drawn from:
+    logprobs[i] is 0.0 on the plain-greedy fast path when no row asked for logprobs; otherwise it is
+    the log-probability of token_ids[i] under the distribution row i was drawn from:
     the model's logits after penalties and bans, divided by the temperature, cut by min-p, top-k and
     top-p, renormalised. A greedy row is drawn from a point mass, whose log-probability would always
     be 0, so for greedy rows we report log_softmax of the penalised logits (temperature 1, no cuts):
@@ -59,6 +60,10 @@ class Sampler:
             logits = logits.float()
         if all(_is_plain_greedy(seq) for seq in seqs):
             token_ids = logits.argmax(dim=-1)
+            if not any(seq.params.logprobs for seq in seqs):
+                # The hot path: a logsumexp over the vocabulary per row costs as much as the argmax,
+                # so it is paid only when some request asked for logprobs (others report 0.0).
+                return SamplerOutput(token_ids.tolist(), [0.0] * len(seqs))
             return SamplerOutput(token_ids.tolist(), _chosen_logprobs(logits, token_ids).tolist())
 
         logits = self.process(logits, seqs, eos_token_ids)

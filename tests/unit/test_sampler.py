@@ -39,6 +39,9 @@ def test_greedy_fast_path_is_argmax_with_logprobs():
     out = Sampler(seed=0)(logits, seqs, EOS)
     assert isinstance(out, SamplerOutput)
     assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [0.0] * 5  # nobody asked: the vocabulary-wide logsumexp is skipped
+    seqs[2].params.logprobs = True
+    out = Sampler(seed=0)(logits, seqs, EOS)
     expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1)[:, None]).squeeze(1)
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
     assert torch.equal(logits, before), "sampler must not modify the caller's logits"
