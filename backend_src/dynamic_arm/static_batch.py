@@ -11,14 +11,17 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from inflight.engine import LLMEngine
 from inflight.sequence import FinishReason, InvalidRequestError, RequestOutput
 from serving.contract import ParsedRequest
-from serving.frontend import CANCELLED, INTERNAL, INVALID_ARG, RequestError, Transport
+from serving.errors import CANCELLED, INTERNAL, INVALID_ARG, RequestError
+
+if TYPE_CHECKING:
+    from serving.frontend import Transport  # the same send/is_cancelled protocol as the in-flight arm
 
 log = logging.getLogger(__name__)
 

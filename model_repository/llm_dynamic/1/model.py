@@ -32,7 +32,7 @@ from dynamic_arm.interface import decode_request  # noqa: E402
 from dynamic_arm.static_batch import BatchItem, StaticBatchRunner  # noqa: E402
 from inflight.engine import LLMEngine  # noqa: E402
 from inflight.sequence import InvalidRequestError  # noqa: E402
-from serving.frontend import RequestError  # noqa: E402
+from serving.errors import RequestError  # noqa: E402
 from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
 
 
