@@ -80,6 +80,8 @@ def summarize(outcomes, samples: list[Sample], missing: int, duplicate: int, exa
         "stub_rss_max_mb": max((s.stub_rss_mb for s in samples if s.stub_rss_mb is not None), default=None),
         "stub_rss_growth_mb": growth,
         "stub_rss_slope_mb_per_min": slope_per_min([(s.t_s, s.stub_rss_mb) for s in warm]),
+        "server_rss_after_warmup_mb": warm[0].server_rss_mb if warm else None,
+        "server_rss_end_mb": end.server_rss_mb,
         "preemptions": (end.preemptions or 0) - (samples[0].preemptions or 0),
     }
     summary["passed"] = (missing == 0 and duplicate == 0 and not failed and leaked == 0
@@ -180,7 +182,9 @@ def _markdown(config: dict, s: dict, samples: list[Sample], plotted: bool) -> st
         "",
         f"RSS at start {_fmt(s['stub_rss_start_mb'], 0)} MB, after warm-up {_fmt(s['stub_rss_after_warmup_mb'], 0)} MB, "
         f"at the end {_fmt(s['stub_rss_end_mb'], 0)} MB, max {_fmt(s['stub_rss_max_mb'], 0)} MB: growth after "
-        f"warm-up {_fmt(s['stub_rss_growth_mb'], 1)} MB (least-squares slope {_fmt(s['stub_rss_slope_mb_per_min'], 2)} MB/min).",
+        f"warm-up {_fmt(s['stub_rss_growth_mb'], 1)} MB (least-squares slope {_fmt(s['stub_rss_slope_mb_per_min'], 2)} MB/min). "
+        f"tritonserver itself: {_fmt(s.get('server_rss_after_warmup_mb'), 0)} MB after warm-up, "
+        f"{_fmt(s.get('server_rss_end_mb'), 0)} MB at the end.",
         "",
     ]
     if plotted:
