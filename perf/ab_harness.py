@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, help="Hugging Face folder served by both arms")
     ap.add_argument("--source", type=Path, default=ROOT / "model_repository",
                     help="model repository the arms are copied from (e.g. a clean `git worktree` checkout's)")
+    ap.add_argument("--queue-delay-us", type=int, help="override llm_dynamic's max_queue_delay_microseconds")
     ap.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS for the server's model processes")
     ap.add_argument("--rounds", type=int, default=1,
                     help="split each cell into this many runs per arm, alternating arms (for a shared machine)")
@@ -154,6 +155,14 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
     return cells
 
 
+def _batcher_line(repo: Path) -> str:
+    from ab_repo import load_config
+    config = load_config(repo / "llm_dynamic" / "config.pbtxt")
+    batcher = config.dynamic_batching
+    return (f"max_batch_size {config.max_batch_size}, preferred {list(batcher.preferred_batch_size)}, "
+            f"max_queue_delay {batcher.max_queue_delay_microseconds / 1000:g} ms")
+
+
 def describe(cell: Cell, seconds: float) -> str:
     if cell.stats is None:
         return f"FAILED ({seconds:.0f} s): {cell.error.splitlines()[0] if cell.error else '?'}"
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     for w, concs in plan.sweep:
         workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, max(plan.num_requests(c, args.requests) for c in concs))
 
-    repo = build_repository(work / "model_repository", plan.engine_params, source=args.source.resolve())
+    repo = build_repository(work / "model_repository", plan.engine_params, source=args.source.resolve(),
+                            max_queue_delay_us=args.queue_delay_us)
     env = {"OMP_NUM_THREADS": str(plan.torch_threads)} if plan.torch_threads else {}
     cells: list[Cell] = []
     genai: list[dict] = []
@@ -234,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": mode + (" preset, custom sweep" if args.workloads or args.concurrency else ""), "model": plan.model.name, "length scale": plan.scale,
         "machine": f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before / {os.getloadavg()[0]:.2f} after",
         "OMP_NUM_THREADS": plan.torch_threads or "unset (torch default)",
+        "llm_dynamic batcher": _batcher_line(repo),
         "wall time": f"{time.monotonic() - t_start:.0f} s",
         "arms from": str(args.source.resolve()),
         "command": "perf/ab_harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
