@@ -27,7 +27,7 @@ import ab_tools  # noqa: E402
 import ab_workloads  # noqa: E402
 from ab_metrics import load_profile, summarize  # noqa: E402
 from ab_repo import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository  # noqa: E402
-from ab_report import Cell, WorkloadInfo, plot, write_csv, write_markdown  # noqa: E402
+from ab_report import Cell, WorkloadInfo, plot, read_csv, write_csv, write_markdown  # noqa: E402
 from triton_server import TritonServer  # noqa: E402
 
 ARM_MODELS = {"inflight": INFLIGHT_MODEL, "dynamic": DYNAMIC_MODEL}
@@ -86,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="split each cell into this many runs per arm, alternating arms (for a shared machine)")
     ap.add_argument("--no-genai-perf", action="store_true", help="skip the genai-perf cross-check")
+    ap.add_argument("--replot", type=Path, metavar="RESULTS_DIR", help="only redraw the plots of an earlier run")
     ap.add_argument("--keep-raw", action="store_true", help="keep perf_analyzer exports and logs in the results")
     return ap.parse_args(argv)
 
@@ -174,6 +175,10 @@ def describe(cell: Cell, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        cells = read_csv(args.replot / "results.csv")
+        print("[ab] redrew", plot(cells, list(dict.fromkeys(c.workload for c in cells)), args.replot))
+        return 0
     mode, plan = make_plan(args)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     name = args.name or f"{mode}-{stamp}"
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "server leftovers": "; ".join(leftovers) or "none",
     }
     write_csv(cells, infos, out_dir / "results.csv")
-    plots = plot(cells, infos, out_dir)
+    plots = plot(cells, list(infos), out_dir)
     write_markdown(cells, infos, genai, meta, plots, out_dir / "report.md")
     if args.keep_raw:
         shutil.copytree(work, out_dir / "raw", dirs_exist_ok=True, ignore=shutil.ignore_patterns("model_repository"))

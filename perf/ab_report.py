@@ -76,7 +76,20 @@ def write_csv(cells: list[Cell], workloads: dict[str, WorkloadInfo], path: Path)
                              c.error.splitlines()[0] if c.error else ""])
 
 
-def plot(cells: list[Cell], workloads: dict[str, WorkloadInfo], out_dir: Path) -> list[str]:
+def read_csv(path: Path) -> list[Cell]:
+    """The cells of a results.csv (what plot() needs), to redraw the plots of an earlier run."""
+    cells = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            stats = None
+            if row["tokens_per_s"]:
+                stats = CellStats(**{n: (int if n.startswith("num_") or n == "output_tokens" else float)(row[n])
+                                     for n in CellStats.names()})
+            cells.append(Cell(row["workload"], int(row["concurrency"]), row["arm"], row["model"], stats, row["error"]))
+    return cells
+
+
+def plot(cells: list[Cell], workloads: list[str], out_dir: Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,6 +111,7 @@ def plot(cells: list[Cell], workloads: dict[str, WorkloadInfo], out_dir: Path) -
             color, marker, label = style[arm]
             ax.plot(*series(w, arm, "tokens_per_s"), color=color, marker=marker, label=label)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_title(w)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tokens/s")
@@ -136,6 +150,7 @@ def plot(cells: list[Cell], workloads: dict[str, WorkloadInfo], out_dir: Path) -
             for x, y, n in pts:
                 ax.annotate(str(n), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set_yscale("log")
+        ax.set_xlim(left=0)
         ax.set_title(f"{w}: p99 TTFT vs throughput", fontsize=9)
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("p99 TTFT (ms)")
