@@ -1,7 +1,7 @@
 """Per-step attention metadata for one flat token batch (prefill chunks and decodes mixed, no padding)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,11 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_host: list[int]
     max_query_len: int
+    # An upper bound of seq_lens: it sets the Triton split-KV launch shape. A CUDA-graph decode passes
+    # max_model_len, so a replay never depends on the lengths of the step it was captured in.
     max_seq_len: int
+    # Host-side helpers the torch reference derives once per step and shares across all layers.
+    reference_plan: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -70,24 +70,38 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], block_size: int, device):
+    """Index tensors for the decode rows, built on the first layer and reused by the others."""
+    plan = meta.reference_plan.get("decode")
+    if plan is not None:
+        return plan
+    lens = [meta.seq_lens_host[i] for i in rows]
+    max_blocks = (max(lens) + block_size - 1) // block_size
+    width = max_blocks * block_size
+    idx = torch.tensor(rows, device=device)
+    tables = meta.block_tables.index_select(0, idx)[:, :max_blocks].long().reshape(-1)  # [n * max_blocks]
+    token_idx = torch.tensor([starts[i] for i in rows], device=device)
+    lens_t = torch.tensor(lens, device=device)
+    valid = torch.arange(width, device=device)[None, :] < lens_t[:, None]  # [n, width]
+    # Flat positions of the padding, so only those are zeroed (most rows pad less than one block).
+    pad_idx = (~valid).reshape(-1).nonzero().squeeze(1)
+    plan = (tables, token_idx, valid[:, None, None, :], pad_idx, width)
+    meta.reference_plan["decode"] = plan
+    return plan
+
+
 def _decode_batch(query, k_cache, v_cache, meta, scale, rows, starts, group, out) -> None:
     """All single-token queries at once: contexts padded to the longest, padding masked out."""
-    block_size = k_cache.shape[1]
-    lens = [meta.seq_lens_host[i] for i in rows]
-    max_len = max(lens)
-    max_blocks = (max_len + block_size - 1) // block_size
-    idx = torch.tensor(rows, device=query.device)
-    tables = meta.block_tables.index_select(0, idx)[:, :max_blocks].long()  # [n, max_blocks]
+    tables, token_idx, mask, pad_idx, width = _decode_plan(meta, rows, starts, k_cache.shape[1], query.device)
     n = len(rows)
-    k = k_cache[tables].reshape(n, max_blocks * block_size, *k_cache.shape[2:])  # [n, L, kvh, d]
-    v = v_cache[tables].reshape(n, max_blocks * block_size, *v_cache.shape[2:])
-    k = k.transpose(1, 2)  # [n, kv_heads, L, d]
-    v = v.transpose(1, 2)
-    token_idx = torch.tensor([starts[i] for i in rows], device=query.device)
+    # index_select on the flat table: several times faster on CPU than advanced indexing k_cache[tables].
+    k = k_cache.index_select(0, tables).reshape(n, width, *k_cache.shape[2:])  # [n, L, kv_heads, d]
+    v = v_cache.index_select(0, tables).reshape(n, width, *v_cache.shape[2:])
+    # Padded slots may hold anything (NaN in a never-written block): a 0 weight times NaN is NaN, so zero
+    # them. The gather made a fresh tensor, so the cache itself is untouched.
+    if pad_idx.numel():
+        v.view(n * width, *v.shape[2:]).index_fill_(0, pad_idx, 0.0)
     q = query.index_select(0, token_idx).unsqueeze(2)  # [n, heads, 1, d]
-    lens_t = torch.tensor(lens, device=query.device)
-    mask = torch.arange(max_blocks * block_size, device=query.device)[None, :] < lens_t[:, None]
-    # Padded slots may hold anything (NaN in a never-written block): a 0 weight times NaN is NaN, so zero them.
-    v = v.masked_fill(~mask[:, None, :, None], 0.0)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+                                       enable_gqa=group > 1)
     out.index_copy_(0, token_idx, o.squeeze(2))

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .linear import select_cpu_gemm
 from .llama import LlamaForCausalLM, rope_inv_freq
 
 # Checkpoint projections that our module holds fused: (ours, [theirs in concatenation order]).
@@ -58,4 +59,6 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Lla
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; meta init left it empty
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    select_cpu_gemm(model, torch.device(device), dtype)
+    return model

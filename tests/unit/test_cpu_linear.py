@@ -1,0 +1,46 @@
+"""The CPU GEMM backend choice of model.linear: oneDNN by default, BLAS on request, same numbers."""
+import pytest
+import torch
+
+from inflight.model import linear as linear_mod
+from inflight.model.linear import GEMM_ENV, Linear, cpu_gemm_choice, select_cpu_gemm
+
+needs_onednn = pytest.mark.skipif(linear_mod._ONEDNN is None, reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_matches_blas(monkeypatch, rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        assert select_cpu_gemm(layer, torch.device("cpu"), torch.float32) == "onednn"
+        fast = layer(x)
+        monkeypatch.setenv(GEMM_ENV, "blas")
+        assert select_cpu_gemm(layer, torch.device("cpu"), torch.float32) == "blas"
+        plain = layer(x)
+    assert fast.shape == plain.shape == (rows, 200)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_three_dim_input_falls_back_to_blas():
+    layer = Linear(8, 4)
+    select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
+    x = torch.randn(2, 3, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_unknown_choice_names_the_variable(monkeypatch):
+    monkeypatch.setenv(GEMM_ENV, "openblas")
+    with pytest.raises(ValueError, match=f"{GEMM_ENV}='openblas' is not one of onednn, blas"):
+        cpu_gemm_choice()
+
+
+def test_float16_on_cpu_stays_on_blas():
+    layer = Linear(8, 4).half()
+    assert select_cpu_gemm(layer, torch.device("cpu"), torch.float16) == "blas"
+    assert layer.use_onednn is False
