@@ -11,8 +11,13 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0: derive from kv_cache_memory_bytes
+    num_kv_blocks: int = 0  # 0: derive from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA)
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # CUDA: share of the device's memory for weights + activations + KV cache; the KV cache gets what a
+    # warm-up forward of max_num_batched_tokens leaves (see kv_sizing.py).
+    gpu_memory_utilization: float = 0.9
+    # CUDA: True runs decode steps eagerly instead of replaying CUDA graphs (CPU is always eager).
+    enforce_eager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
@@ -48,6 +53,9 @@ class EngineConfig:
         for name, value in (("fast_lane_share", self.fast_lane_share), ("watermark", self.watermark)):
             if not 0.0 <= float(value) < 1.0:
                 raise ValueError(f"{name}={value!r} is out of range: allowed [0, 1)")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is out of range: "
+                             f"allowed (0, 1]")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not allowed: auto, float32, float16, bfloat16")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

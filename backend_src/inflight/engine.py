@@ -52,6 +52,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # live requests by id
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
+        self.step_timer = None  # a StepTimer while a benchmark measures phases: set_step_timer()
         self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
 
     # ---- requests ---------------------------------------------------------------------------
@@ -134,9 +135,16 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def set_step_timer(self, timer) -> None:
+        """Time each step's phases (inflight.step_timer.StepTimer); None turns it off."""
+        self.step_timer = self.runner.step_timer = timer
+
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
         sched = self.scheduler.schedule()
         for _ in sched.preempted:
             self.metrics.on_preemption()
@@ -150,6 +158,8 @@ class LLMEngine:
                 self.metrics.on_prompt_tokens(seq.num_prompt_tokens)
         if self.step_hook is not None:
             self.step_hook()
+        if timer is not None:
+            timer.lap("schedule")
         logits, sample_seqs = self.runner.execute(sched.scheduled, self.block_manager)
         for seq, num_new in sched.scheduled:
             seq.num_computed_tokens += num_new
@@ -157,12 +167,18 @@ class LLMEngine:
         outputs = []
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
+            if timer is not None:
+                timer.lap("sample")
             now = time.monotonic()
             for seq, token, logprob in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._on_token(seq, token, logprob, now))
+            if timer is not None:
+                timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         self._record_prefix_stats()
         self.metrics.on_step(time.monotonic() - t0, sched.num_batched_tokens)
         self._update_gauges()
+        if timer is not None:
+            timer.end_step()
         return outputs
 
     def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> RequestOutput:

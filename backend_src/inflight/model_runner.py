@@ -1,17 +1,27 @@
 """Translates scheduled sequences into one flat token batch, runs the model, returns the rows to sample."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 
+from . import attention
 from .attention import AttentionMetadata
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graphs import StaticDecode
+from .kv_sizing import measure_kv_blocks
 from .model import ModelConfig, load_model
+from .model.fused_forward import fused_forward
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# auto (default): the Triton RMSNorm / SiLU-and-mul kernels on CUDA, llama.py's torch ops elsewhere;
+# 0: torch ops everywhere; 1: kernels everywhere (on CPU that needs TRITON_INTERPRET=1).
+FUSED_OPS_ENV = "INFLIGHT_FUSED_OPS"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -26,13 +36,41 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
         self.model_config = ModelConfig.from_dir(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        self.forward = self._pick_forward()
+        self.step_timer = None  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
+        self.num_blocks = config.num_kv_blocks or (
+            self._blocks_from_gpu_memory() if self.is_cuda else self._blocks_from_memory_budget())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.static_decode: StaticDecode | None = None
+        if self.is_cuda and not config.enforce_eager:
+            if attention.backend_for(self.device) == "triton":
+                self.enable_static_decode(capture=True)
+            else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
+                log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
         log.info("model %s: %d layers, KV cache %d blocks of %d tokens (%s, %s)", config.model,
                  self.model_config.num_layers, self.num_blocks, config.block_size, self.dtype, self.device)
+
+    def _pick_forward(self):
+        choice = os.environ.get(FUSED_OPS_ENV, "auto").strip().lower() or "auto"
+        if choice not in ("auto", "0", "1"):
+            raise ValueError(f"{FUSED_OPS_ENV}={choice!r} is not one of auto, 0, 1")
+        if choice == "1" or (choice == "auto" and self.is_cuda):
+            return functools.partial(fused_forward, self.model)
+        return self.model
+
+    def enable_static_decode(self, capture: bool) -> None:
+        """Route all-one-token steps through padded static buffers (cuda_graphs.py); capture=True (CUDA)
+        records a graph per batch-size bucket. Without capture the padded path runs eagerly, on any device."""
+        c = self.config
+        self.static_decode = StaticDecode(
+            self.forward, self.kv_caches, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+            block_size=c.block_size, hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        if capture:
+            self.static_decode.capture()
 
     def bytes_per_block(self) -> int:
         c = self.model_config
@@ -45,6 +83,20 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} holds no block: "
                              f"one block needs {self.bytes_per_block()} bytes")
         return int(num)
+
+    def _blocks_from_gpu_memory(self) -> int:
+        c = self.model_config
+
+        def make_kv_caches(num_blocks: int):
+            shape = (c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros_like(k)
+            return [(k[i], v[i]) for i in range(c.num_layers)], 2 * k.numel() * k.element_size()
+
+        cfg = self.config
+        return measure_kv_blocks(self.forward, self.model.compute_logits, make_kv_caches,
+                                 cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs, cfg.block_size,
+                                 self.bytes_per_block(), cfg.gpu_memory_utilization, self.device)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer a K and a V tensor [blocks, block_size, kv_heads, head_dim]; together the
@@ -76,25 +128,45 @@ class ModelRunner:
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
-        dev = self.device
+        h2d = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            slot_mapping=h2d(slots, torch.int64),
+            block_tables=h2d(tables, torch.int32),
+            seq_lens=h2d(seq_lens, torch.int32),
+            cu_seqlens_q=h2d(cu, torch.int32),
             query_lens=query_lens, seq_lens_host=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = h2d(input_ids, torch.int64)
+        pos = h2d(positions, torch.int64)
         return ids, pos, meta, sample_idx, sample_seqs
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        if not self.is_cuda:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        # From pinned memory the copy is asynchronous: the CPU goes on building the step while it runs.
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager):
         """Run one forward; returns (logits [rows, vocab] float32, the sequences those rows belong to)."""
-        ids, pos, meta, sample_idx, sample_seqs = self.prepare(scheduled, bm)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
-        if not sample_seqs:
-            return None, []
-        rows = hidden.index_select(0, torch.tensor(sample_idx, device=self.device))
-        return self.model.compute_logits(rows), sample_seqs
+        static = self.static_decode
+        if static is not None and static.fits(scheduled):
+            prepare, forward = static.prepare, static.forward
+        else:
+            prepare, forward = self.prepare, self.forward
+        ids, pos, meta, sample_idx, sample_seqs = prepare(scheduled, bm)
+        timer = self.step_timer
+        if timer is not None:
+            timer.lap("prepare")
+        hidden = forward(ids, pos, meta, self.kv_caches)
+        logits = None
+        if sample_seqs:
+            if sample_idx[-1] == len(sample_idx) - 1:  # rows 0..n-1 (decodes, padded or not): no gather
+                rows = hidden[:len(sample_idx)]
+            else:
+                rows = hidden.index_select(0, self._to_device(sample_idx, torch.int64))
+            logits = self.model.compute_logits(rows)
+        if timer is not None:
+            timer.lap("forward")
+        return logits, sample_seqs

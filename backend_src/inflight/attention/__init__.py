@@ -25,6 +25,11 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return choice == "triton"
 
 
+def backend_for(device: torch.device) -> str:
+    """'triton' or 'torch': what store_kv / paged_attention run for tensors on this device, as the env says now."""
+    return "triton" if _use_triton(torch.empty(0, device=device)) else "torch"
+
+
 def _triton():
     global _kernels
     if _kernels is None:
@@ -50,4 +55,4 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return _reference.paged_attention(query, k_cache, v_cache, meta, scale)
 
 
-__all__ = ["AttentionMetadata", "BACKEND_ENV", "paged_attention", "store_kv"]
+__all__ = ["AttentionMetadata", "BACKEND_ENV", "backend_for", "paged_attention", "store_kv"]
