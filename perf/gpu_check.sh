@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one prepared GPU check for issue 6: the kernel and CUDA-runner tests compiled on the GPU (no
+# TRITON_INTERPRET), then perf/gpu_bench.py on the 0.5B Qwen2-shaped load. Each step has its own
+# `timeout`; the whole script stays under 8 minutes (tests 2, bench 5.5, setup seconds).
+#
+# From a session with the device tool (repo root; tiny-llama is git-ignored, so it must be carried):
+#   run(command="bash perf/gpu_check.sh", carry=["models/tiny-llama"], timeout_s=560)
+# Anywhere else with one CUDA GPU:  OUT=/some/dir bash perf/gpu_check.sh
+#
+# Writes into $OUT (default ./gpu_check_out): env.txt, pytest.log, gpu_bench.log and
+# gpu_bench-<gpu>.json / .md (5 files; the device tool brings back at most 8). Copy the .json/.md into
+# perf/results/ to commit them.
+#
+# Packages: the nvidia-h200 image has python3 3.12 with torch, triton, transformers, safetensors,
+# tokenizers, tqdm and pytest. A missing one travels as a wheel in .whl/ (see the device README), carried
+# with carry=[..., ".whl"]; this script installs .whl/*.whl into /tmp/site when that folder exists.
+set -u
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset TRITON_INTERPRET INFLIGHT_ATTENTION INFLIGHT_FUSED_OPS
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
+    "$PY" - <<'EOF'
+import importlib
+for name in ("torch", "triton", "transformers", "safetensors", "tokenizers", "pytest", "tqdm"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # noqa: BLE001
+        print(name, "MISSING", e)
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+EOF
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+status=0
+echo "== pytest tests/kernels (compiled Triton on the GPU)"
+timeout 120 "$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=5 tests/kernels 2>&1 | tee "$OUT/pytest.log" \
+    || { rc=${PIPESTATUS[0]}; status=1; echo "pytest failed or timed out (exit $rc)"; }
+
+echo "== perf/gpu_bench.py"
+# --time-limit caps the timed run; setup (model write, checks, engine start, graph capture) is extra.
+# BENCH_ARGS=--smoke makes a dry run of this script on a CPU host (tiny model; the tests run interpreted).
+timeout 330 "$PY" perf/gpu_bench.py --out "$OUT" --time-limit 150 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log" \
+    || { rc=${PIPESTATUS[0]}; status=1; echo "gpu_bench failed or timed out (exit $rc)"; }
+
+echo "== summary"
+tail -n 4 "$OUT/pytest.log" 2>/dev/null
+cat "$OUT"/gpu_bench-*.md 2>/dev/null
+exit $status
