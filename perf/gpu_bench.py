@@ -321,7 +321,8 @@ def markdown(r: dict) -> str:
                   f"{e['graph_buckets'] or 'none'}, fused ops {e['fused_ops']}, init {e['init_s']:.1f} s.", ""]
     t = r.get("throughput")
     if t:
-        lines += ["| output tok/s | output tokens | seconds | steps | decode steps | truncated |", "|---|---|---|---|---|---|",
+        lines += ["| output tok/s | output tokens | seconds | steps | decode steps | truncated |",
+                  "|---|---|---|---|---|---|",
                   f"| {t['output_tokens_per_s']:.0f} | {t['output_tokens']} | {t['seconds']:.1f} | {t['steps']} | "
                   f"{t['decode_steps']} | {t['truncated_at_time_limit']} |", "",
                   "Step-time breakdown, ms per step (device synchronised at each mark):", "",
@@ -329,8 +330,8 @@ def markdown(r: dict) -> str:
                   "| " + " | ".join(f"{t['phase_ms_per_step'][p]:.2f}" for p in PHASES) + " |", ""]
     rf = r.get("roofline")
     if rf:
-        lines += [f"Decode roofline: weights {rf['weight_bytes'] / 1e9:.3f} GB + {rf['kv_bytes_per_token']} B of KV per "
-                  f"context token per step, HBM {_fmt(rf['hbm_bandwidth'])} B/s.", "",
+        lines += [f"Decode roofline: weights {rf['weight_bytes'] / 1e9:.3f} GB + {rf['kv_bytes_per_token']} B of KV "
+                  f"per context token per step, HBM {_fmt(rf['hbm_bandwidth'])} B/s.", "",
                   "| steps | count | mean seqs | ideal ms | forward ms | step ms | of forward | of step |",
                   "|---|---|---|---|---|---|---|---|"]
         for name in ("full_batch_decode_steps", "all_decode_steps"):
@@ -338,12 +339,14 @@ def markdown(r: dict) -> str:
             if e:
                 lines.append(f"| {name} | {e['steps']} | {e['mean_seqs']:.0f} | {_fmt(e.get('ideal_ms'))} | "
                              f"{e['mean_forward_ms']:.3g} | {e['mean_step_ms']:.3g} | "
-                             f"{_fmt(e.get('fraction_of_forward'), '.1%')} | {_fmt(e.get('fraction_of_step'), '.1%')} |")
+                             f"{_fmt(e.get('fraction_of_forward'), '.1%')} | "
+                             f"{_fmt(e.get('fraction_of_step'), '.1%')} |")
         lines.append("")
     for c in r.get("checks", []):
-        lines.append(f"- check `{c['name']}`: greedy {'equal' if c['greedy_equal'] else 'diverged ' + str(c['divergences'])}; "
-                     f"logits rel err {', '.join(format(e, '.2e') for e in c['logits_rel_err'])} (tolerance {c['logits_tolerance']}: "
-                     f"{'ok' if c['logits_ok'] else 'OVER'})")
+        greedy = "equal" if c["greedy_equal"] else f"diverged {c['divergences']}"
+        errors = ", ".join(format(e, ".2e") for e in c["logits_rel_err"])
+        lines.append(f"- check `{c['name']}`: greedy {greedy}; logits rel err {errors} "
+                     f"(tolerance {c['logits_tolerance']}: {'ok' if c['logits_ok'] else 'OVER'})")
     if r.get("errors"):
         lines += ["", "Errors:", *[f"- {e}" for e in r["errors"]]]
     return "\n".join(lines) + "\n"
@@ -398,7 +401,9 @@ def main(argv=None) -> int:
         options = dict(device=device, max_num_seqs=load.max_num_seqs, max_model_len=load.max_model_len,
                        max_num_batched_tokens=load.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization)
-        if not cuda:  # the CPU pool comes from kv_cache_memory_bytes, not the fraction: size it to the load
+        # The CPU pool is a byte budget, and a GPU fraction would be millions of tiny-model blocks: size
+        # both to the load instead.
+        if not cuda or args.smoke:
             options["num_kv_blocks"] = 4 * load.max_num_seqs * load.max_model_len // 16
         llm = LLM(model_dir, **options)
         runner = llm.engine.runner
