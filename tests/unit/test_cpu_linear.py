@@ -21,17 +21,35 @@ def test_onednn_matches_blas(monkeypatch, rows, bias):
         monkeypatch.setenv(GEMM_ENV, "blas")
         assert select_cpu_gemm(layer, torch.device("cpu"), torch.float32) == "blas"
         plain = layer(x)
+    assert layer.packed_weight is None and layer.weight.shape == (200, 96)  # unpacked again for BLAS
     assert fast.shape == plain.shape == (rows, 200)
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_three_dim_input_falls_back_to_blas():
+def test_three_dim_input_keeps_its_shape():
     layer = Linear(8, 4)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
     x = torch.randn(2, 3, 8)
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packing_releases_the_dense_weight_but_not_a_shared_one():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(50, 8)
+    model.head = Linear(8, 50, bias=False)
+    model.head.weight = model.embed.weight  # tied, as SmolLM2's lm_head
+    model.proj = Linear(8, 6, bias=False)
+    dense = model.proj.weight.detach().clone()
+    select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    assert model.proj.weight.numel() == 0 and model.proj.packed_weight is not None
+    assert model.head.weight is model.embed.weight and model.head.weight.numel() == 400
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), x @ dense.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_choice_names_the_variable(monkeypatch):
@@ -43,4 +61,4 @@ def test_unknown_choice_names_the_variable(monkeypatch):
 def test_float16_on_cpu_stays_on_blas():
     layer = Linear(8, 4).half()
     assert select_cpu_gemm(layer, torch.device("cpu"), torch.float16) == "blas"
-    assert layer.use_onednn is False
+    assert layer.packed_weight is None
