@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from inflight import LLM, SamplingParams  # noqa: E402
+from inflight.model.linear import cpu_gemm_choice  # noqa: E402
 
 MIX = [20, 50, 200, 800]
 
@@ -115,6 +116,7 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.scale = 16, 0.05
     torch.manual_seed(0)
+    load_before = os.getloadavg()[0]
     llm_tok = LLM(args.model, num_kv_blocks=8).tokenizer
     reqs = workload(llm_tok, args.num_requests, args.scale)
     print(f"workload: {len(reqs)} requests, outputs {sorted({n for _, n in reqs})}, batch {args.batch}", flush=True)
@@ -125,7 +127,8 @@ def main() -> None:
     single = single_stream(args.model, reqs[0][0], 32 if args.quick else 64)
     print(f"single stream: {single}", flush=True)
     result = {"workload": {"num_requests": len(reqs), "batch": args.batch, "scale": args.scale,
-                           "threads": torch.get_num_threads()},
+                           "threads": torch.get_num_threads(), "engine_cpu_gemm": cpu_gemm_choice(),
+                           "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
               "engine": engine, "hf_static": hf, "single_stream": single,
               "throughput_ratio": engine["tokens_per_s"] / hf["tokens_per_s"],
               "single_stream_ratio": single["hf_ms_per_token"] / single["engine_ms_per_token"]}
