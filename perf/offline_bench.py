@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from inflight import LLM, SamplingParams  # noqa: E402
 from inflight.model.linear import cpu_gemm_choice  # noqa: E402
+from inflight.step_timer import StepTimer  # noqa: E402
 
 MIX = [20, 50, 200, 800]
 
@@ -47,7 +48,7 @@ def run_engine(model: str, reqs, batch: int) -> dict:
     sched_time = [0.0]
     schedule = engine.scheduler.schedule
 
-    def timed_schedule():
+    def timed_schedule():  # CPU time of the scheduling decision alone (the wall-time phases are below)
         t = time.process_time()
         out = schedule()
         sched_time[0] += time.process_time() - t
@@ -56,15 +57,18 @@ def run_engine(model: str, reqs, batch: int) -> dict:
     engine.scheduler.schedule = timed_schedule
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in reqs]
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warm-up
-    steps0 = engine.metrics.snapshot()["histograms"]["step_time_seconds"]["count"]
+    timer = StepTimer()
+    engine.set_step_timer(timer)
     t = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params, use_tqdm=True)
     elapsed = time.perf_counter() - t
-    steps = engine.metrics.snapshot()["histograms"]["step_time_seconds"]["count"] - steps0
+    engine.set_step_timer(None)
+    steps = timer.num_steps
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(n for _, n in reqs), "engine produced a wrong number of tokens"
+    phases = {k: round(1000 * v / max(steps, 1), 3) for k, v in timer.totals.items()}
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed, "steps": steps,
-            "scheduler_ms_per_step": 1000 * sched_time[0] / max(steps, 1)}
+            "scheduler_ms_per_step": 1000 * sched_time[0] / max(steps, 1), "wall_ms_per_step_by_phase": phases}
 
 
 def run_hf_static(model_path: str, reqs, batch: int, pad_id: int) -> dict:
@@ -138,6 +142,8 @@ def main() -> None:
     print(f"| single stream ms/token | {single['engine_ms_per_token']:.1f} | {single['hf_ms_per_token']:.1f} | "
           f"{result['single_stream_ratio']:.2f}x |")
     print(f"| scheduler CPU ms/step | {engine['scheduler_ms_per_step']:.3f} | | |")
+    print("\nengine wall ms per step by phase: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in engine["wall_ms_per_step_by_phase"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
