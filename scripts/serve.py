@@ -18,21 +18,20 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-# The leftover checks are shared with the test helper: stubs are found in /proc by name, and a stub's
-# argv names its shm region and its server's pid.
-from triton_server import SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions  # noqa: E402
+# The readiness wait and the leftover checks are shared with the test helper (tests/triton_server.py):
+# stubs are found in /proc by name, and a stub's argv names its shm region and its server's pid. (Run as a
+# script, serve.py has its own folder, scripts/, on sys.path.)
+from tritonserver_process import SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions, wait_ready
 
+ROOT = Path(__file__).resolve().parent.parent
 TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
 # Admin-only endpoints need the header "admin-key: <ADMIN_KEY>" (on gRPC, Triton 2.51 prefixes it:
 # "triton-grpc-protocol-admin-key"); inference, health, metadata, model config and statistics stay open
 # (perf_analyzer and genai-perf read config and statistics).
 RESTRICTED = "model-repository,shared-memory,trace,logging"
+READY_TIMEOUT_S = 600.0  # for tritonserver to load the model repository and answer ready
 
 
 def env_port(name: str, default: int) -> int:
@@ -73,21 +72,6 @@ def on_signal(signum, frame):
 def our_stubs(server_pid: int) -> list[tuple[int, list[str]]]:
     return [(pid, argv) for pid, argv in python_stubs()
             if len(argv) > STUB_ARG_PARENT and argv[STUB_ARG_PARENT] == str(server_pid)]
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 600.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.2)
-    return False
 
 
 def banner(host: str, http: int, grpc: int, metrics: int, admin_key: str) -> str:
@@ -212,7 +196,8 @@ def main(argv: list[str]) -> int:
     code = 0
     try:
         shown = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
-        if not wait_ready(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{http}/v2/health/ready"):
+        if not wait_ready(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{http}/v2/health/ready",
+                          timeout_s=READY_TIMEOUT_S):
             print(f"==> tritonserver did not become ready (exit code {proc.poll()})", file=sys.stderr)
             code = 1
         else:

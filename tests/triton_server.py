@@ -10,27 +10,28 @@ Used through the `triton_server_factory` fixture (tests/conftest.py) or directly
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "scripts") not in sys.path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+# Shared with scripts/serve.py (`make serve`): the readiness wait, and finding a server's stubs and shm regions.
+from tritonserver_process import (  # noqa: E402
+    SHM_DIR, SHM_PREFIX, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions, wait_ready)
+
 # The wrapper written by scripts/setup.sh (sets library paths and the backend directory).
 TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "triton_python_backend_shm_region_"
-STUB_NAME = "triton_python_backend_stub"
-# argv of a stub: [stub, model.py, shm region name, shm size, shm growth, server pid, ...]
-STUB_ARG_SHM = 2
-STUB_ARG_PARENT = 5
+SERVE_SCRIPT = ROOT / "scripts" / "serve.py"
 
 
 def free_ports(count: int) -> list[int]:
@@ -45,25 +46,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def python_stubs() -> list[tuple[int, list[str]]]:
-    """(pid, argv) of every live python backend stub on the machine, from /proc."""
-    stubs = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if argv and os.path.basename(argv[0]).decode(errors="replace") == STUB_NAME:
-            stubs.append((int(entry.name), [a.decode(errors="replace") for a in argv]))
-    return stubs
-
-
-def shm_regions() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")}
 
 
 def shm_mappers() -> dict[str, set[int]]:
@@ -230,19 +212,7 @@ class TritonServer:
 
     def _wait_ready(self) -> bool:
         """True once /v2/health/ready answers 200; False as soon as the process exits."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        url = f"{self.http_base}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return True
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        return False
+        return wait_ready(self.proc, f"{self.http_base}/v2/health/ready", self.startup_timeout_s, poll_s=0.1)
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -316,3 +286,27 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def serve_script(env: Mapping[str, str], log_path: Path, ready_line: str,
+                 timeout_s: float = 180.0) -> Iterator[subprocess.Popen]:
+    """Run scripts/serve.py (`make serve`) with env as its whole environment and its output in log_path;
+    yield its process once ready_line is in the log (assert it gets there alive within timeout_s).
+    Leaving the block normally stops it with SIGINT (Ctrl-C) and asserts exit code 0; whatever is still
+    running after that, or after an exception, is killed."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(SERVE_SCRIPT)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready_line not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        yield proc
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -3,17 +3,15 @@ with its name, and `make serve`'s scripts/serve.py starts, answers and stops wit
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from openai_stack import make_model_repository
-from triton_server import TritonServer, free_ports, python_stubs
+from triton_server import TritonServer, free_ports, python_stubs, serve_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -57,14 +55,7 @@ def test_serve_script_starts_answers_and_stops_cleanly(tiny_repo, tmp_path):
     env = {**os.environ, "MODEL_REPOSITORY": str(tiny_repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
            "METRICS_PORT": str(metrics), "EXIT_TIMEOUT_SECS": "5", "OPENAI_PORT": "off"}
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py")], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C stops the server" not in log_path.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            time.sleep(0.2)
+    with serve_script(env, log_path, "Ctrl-C stops the server") as proc:
         banner = log_path.read_text()
         assert f"client/generate.py --url localhost:{grpc}" in banner
         assert f"curl -s -X POST http://localhost:{http}/v2/models/llm/generate" in banner
@@ -80,12 +71,6 @@ def test_serve_script_starts_answers_and_stops_cleanly(tiny_repo, tmp_path):
         req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/repository/index", method="POST")
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(req, timeout=10)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log_path.read_text()
     assert "stopped cleanly: no stub process or shared memory region left" in text
     assert not [pid for pid, argv in python_stubs() if len(argv) > 5 and argv[5] == str(server_pid)]

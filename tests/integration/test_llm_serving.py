@@ -27,6 +27,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from openai_stack import make_model_repository
+from quiescence import scrape as scrape_metrics
+from stream_client import make_inputs
 from triton_server import TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,29 +62,7 @@ def server(tmp_path_factory):
     assert srv.leftovers() == []
 
 
-# ---- a small streaming gRPC client -------------------------------------------------------------
-
-_WIRE = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
-
-
-def make_inputs(prompt: Any, values: dict[str, Any]) -> list[grpcclient.InferInput]:
-    inputs = []
-    all_values = dict(values) if prompt is None else {"text_input": prompt, **values}
-    for name, value in all_values.items():
-        if isinstance(value, np.ndarray):
-            arr = value
-            wire = "BYTES" if arr.dtype == np.object_ else grpcclient.np_to_triton_dtype(arr.dtype)
-        elif isinstance(value, (str, list)):
-            items = value if isinstance(value, list) else [value]
-            arr, wire = np.array([s.encode() for s in items], dtype=np.object_), "BYTES"
-        else:
-            wire, np_type = ("UINT64", np.uint64) if name in ("seed", "random_seed") else _WIRE[type(value)]
-            arr = np.array([value], dtype=np_type)
-        tensor = grpcclient.InferInput(name, list(arr.shape), wire)
-        tensor.set_data_from_numpy(arr)
-        inputs.append(tensor)
-    return inputs
-
+# ---- a small streaming gRPC client (inputs built by stream_client.make_inputs) --------------------
 
 @dataclass
 class Result:
@@ -169,20 +149,7 @@ def generate(server: TritonServer, model: str, prompt: Any, **values: Any) -> Re
 
 def scrape(server: TritonServer, model: str = "llm_tiny") -> dict[str, float]:
     """Our model's samples on /metrics: 'name{labels without model/version}' -> value."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^((?:vllm|inflight):[a-zA-Z0-9_:]+)\{([^}]*)\} (\S+)$", line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        if labels.pop("model", None) != model:
-            continue
-        labels.pop("version", None)
-        key = m.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
-        out[key] = float(m.group(3))
-    return out
+    return scrape_metrics(server.metrics_url, model)
 
 
 def wait_for_metrics(server: TritonServer, check, timeout_s: float = 10.0, model: str = "llm_tiny") -> dict[str, float]:

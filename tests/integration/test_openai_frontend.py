@@ -11,10 +11,7 @@ import asyncio
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import openai
 import pytest
 
 from openai_stack import ROOT, FrontendProcess, grpc_generate, make_model_repository, scrape
-from triton_server import TritonServer, free_ports
+from triton_server import TritonServer, free_ports, serve_script
 
 TINY = ROOT / "models" / "tiny-llama"
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -334,24 +331,11 @@ def test_serve_script_runs_the_openai_api_beside_tritonserver(tmp_path):
     env = {**os.environ, "MODEL_REPOSITORY": str(repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
            "METRICS_PORT": str(metrics), "OPENAI_PORT": str(oai), "EXIT_TIMEOUT_SECS": "5"}
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py")], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while "OpenAI-compatible API on" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
+    with serve_script(env, log_path, "OpenAI-compatible API on"):
         frontend_pid = int(re.search(r"OpenAI-compatible API on \S+ \(pid (\d+)\)", log_path.read_text()).group(1))
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{oai}/v1", api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in api.models.list().data] == ["llm"]
         r = api.completions.create(model="llm", prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert "stopped cleanly" in log_path.read_text()
     assert not Path(f"/proc/{frontend_pid}").exists()

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from openai_stack import make_model_repository
-from triton_server import free_ports
+from triton_server import free_ports, serve_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -78,24 +74,11 @@ def served(tmp_path_factory):
            "METRICS_PORT": str(metrics), "EXIT_TIMEOUT_SECS": "5", "OPENAI_PORT": "off", "ADMIN_KEY": KEY}
     env.pop("BIND_ADDRESS", None)  # the default is what is under test
     log_path = tmp / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py")], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while "Ctrl-C stops the server" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
+    with serve_script(env, log_path, "Ctrl-C stops the server") as proc:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         server_pid = next(int(c) for c in children if b"tritonserver" in Path(f"/proc/{c}/cmdline").read_bytes())
         yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc}", "ports": (http, grpc, metrics),
                "pid": server_pid}
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert "stopped cleanly" in log_path.read_text()
 
 
