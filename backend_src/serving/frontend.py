@@ -288,21 +288,30 @@ class InflightFrontend:
         now and then the host whether the model is still served."""
         while not self._closing.wait(self.cancel_check_period_s):
             self._check_ready()
-            unloading = self.unloading.is_set()
-            to_abort = []
-            with self._lock:
-                for entry in self._inflight.values():
-                    if entry.abort_reason is not None:
-                        continue
-                    if unloading:
-                        entry.abort_reason = "cancelled: the model is being unloaded"
-                    elif self._is_cancelled(entry):
-                        entry.abort_reason = "cancelled by the client"
-                    else:
-                        continue
-                    to_abort.append(entry.internal_id)
-            for internal_id in to_abort:
+            for internal_id in self._requests_to_abort():
                 self.loop.abort_request(internal_id)
+
+    def _requests_to_abort(self) -> list[str]:
+        """Ids of in-flight requests to abort now, each marked with why.
+
+        A method of its own, not inline in the polling loop: a loop variable outlives its loop, and an idle
+        poller would then hold the last entry, and with it a response sender, for good. Triton 2.51 keeps
+        the model loaded while any sender is alive, so that one reference would block unload and shutdown.
+        """
+        unloading = self.unloading.is_set()
+        to_abort = []
+        with self._lock:
+            for entry in self._inflight.values():
+                if entry.abort_reason is not None:
+                    continue
+                if unloading:
+                    entry.abort_reason = "cancelled: the model is being unloaded"
+                elif self._is_cancelled(entry):
+                    entry.abort_reason = "cancelled by the client"
+                else:
+                    continue
+                to_abort.append(entry.internal_id)
+        return to_abort
 
     def _check_ready(self) -> None:
         """Ask the host only while requests are in flight (only they can hold an unload up). is_ready gives

@@ -222,3 +222,24 @@ def test_close_ends_every_inflight_request_and_later_requests_are_refused(engine
     assert late.events[0][2].code == UNAVAILABLE
     assert transport.violations == []
     assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_no_sender_is_kept_alive_after_its_final(frontend, cancel):
+    """Triton 2.51 keeps a decoupled model loaded while any of its response senders is alive (each holds a
+    response factory). A sender the frontend still references after its final, e.g. from a thread's
+    leftover local, blocks unloading and shutdown for good, so every reference must go with the final."""
+    import gc
+    import weakref
+    sender = Sender("held")
+    frontend.submit(sender, "held", request("Hello there", max_tokens=40, stream=True))
+    time.sleep(0.1)  # several cancellation polls while it runs: the poller has looked at its entry
+    if cancel:
+        sender.cancelled = True
+    assert sender.done.wait(30)
+    time.sleep(0.1)  # the poller's next rounds, now with nothing in flight
+    ref = weakref.ref(sender)
+    del sender
+    # No gc.collect() before the check: Triton's stub does not collect cycles on any schedule, so
+    # plain reference counting must free it.
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
