@@ -85,28 +85,26 @@ class ModelRunner:
         return int(num)
 
     def _blocks_from_gpu_memory(self) -> int:
-        c = self.model_config
-
         def make_kv_caches(num_blocks: int):
-            shape = (c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros_like(k)
-            return [(k[i], v[i]) for i in range(c.num_layers)], 2 * k.numel() * k.element_size()
+            k, v = self._new_kv_tensors(num_blocks)
+            return list(zip(k, v)), 2 * k.numel() * k.element_size()
 
         cfg = self.config
         return measure_kv_blocks(self.forward, self.model.compute_logits, make_kv_caches,
                                  cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs, cfg.block_size,
                                  self.bytes_per_block(), cfg.gpu_memory_utilization, self.device)
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer a K and a V tensor [blocks, block_size, kv_heads, head_dim]; together the
-        [layers, blocks, block_size, kv_heads, head_dim] layout, sliced per layer."""
+    def _new_kv_tensors(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V caches in the [layers, blocks, block_size, kv_heads, head_dim] layout, zeroed."""
         c = self.model_config
         shape = (c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.k_cache, self.v_cache = k, v
-        return [(k[i], v[i]) for i in range(c.num_layers)]
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer a K and a V tensor [blocks, block_size, kv_heads, head_dim], sliced from the whole."""
+        self.k_cache, self.v_cache = self._new_kv_tensors(num_blocks)
+        return list(zip(self.k_cache, self.v_cache))
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager):
         """Flat inputs for the batch, and the indices of the tokens whose logits are needed."""

@@ -42,11 +42,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
-    decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    starts = [0]
-    for n in meta.query_lens:
-        starts.append(starts[-1] + n)
-
+    starts, decode_rows = _step_layout(meta)
     if decode_rows:
         _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, group, out)
 
@@ -68,6 +64,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
     return out
+
+
+def _step_layout(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """(first token of each sequence in the flat batch, the decode rows): once per step, not per layer."""
+    layout = meta.reference_plan.get("layout")
+    if layout is None:
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        layout = meta.reference_plan["layout"] = (starts, [i for i, n in enumerate(meta.query_lens) if n == 1])
+    return layout
 
 
 def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], block_size: int, device):
