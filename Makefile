@@ -15,6 +15,7 @@ setup:
 	bash scripts/setup.sh
 
 test: setup
+	.venv/bin/ruff check .
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests
 
 serve: setup

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # triton_server: the tested way to start the real server
+import ab_tools
+import ab_workloads
+from ab_metrics import load_profile, summarize
+from ab_report import Cell, WorkloadInfo, plot, read_csv, write_csv, write_markdown
 
-import ab_tools  # noqa: E402
-import ab_workloads  # noqa: E402
-from ab_metrics import load_profile, summarize  # noqa: E402
-from ab_repo import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository  # noqa: E402
-from ab_report import Cell, WorkloadInfo, plot, read_csv, write_csv, write_markdown  # noqa: E402
-from triton_server import TritonServer  # noqa: E402
+from server_harness.repository import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository
+from server_harness.server import TritonServer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ARM_MODELS = {"inflight": INFLIGHT_MODEL, "dynamic": DYNAMIC_MODEL}
 ALL_CONCURRENCY = (1, 4, 8, 16, 32, 64)
@@ -140,7 +140,8 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
             except (ab_tools.ToolError, ValueError, OSError) as e:
                 cell.error = str(e)
             if arm == "dynamic":
-                for size, count in ab_tools.batch_delta(before, ab_tools.dynamic_batch_counts(server.metrics_url)).items():
+                after = ab_tools.dynamic_batch_counts(server.metrics_url)
+                for size, count in ab_tools.batch_delta(before, after).items():
                     cell.batches[size] = cell.batches.get(size, 0) + count
             else:
                 time.sleep(1.2)  # the engine's metrics reach /metrics once a second
@@ -187,15 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ab-"))
     t_start = time.monotonic()
     load_before = os.getloadavg()
-    print(f"[ab] {mode}: model {plan.model.name}, scale {plan.scale}, sweep {plan.sweep}; results {out_dir}", flush=True)
+    print(f"[ab] {mode}: model {plan.model.name}, scale {plan.scale}, sweep {plan.sweep}; results {out_dir}",
+          flush=True)
 
     from transformers import AutoTokenizer  # after argument errors: this import takes seconds
     tokenizer = AutoTokenizer.from_pretrained(plan.model)
     workloads = {}
     for w, concs in plan.sweep:
-        workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, max(plan.num_requests(c, args.requests) for c in concs))
+        largest = max(plan.num_requests(c, args.requests) for c in concs)
+        workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, largest)
 
-    repo = build_repository(work / "model_repository", plan.engine_params, source=args.source.resolve(),
+    repo = build_repository(args.source.resolve(), work / "model_repository", plan.engine_params,
                             max_queue_delay_us=args.queue_delay_us)
     env = {"OMP_NUM_THREADS": str(plan.torch_threads)} if plan.torch_threads else {}
     cells: list[Cell] = []
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
              for w, wl in workloads.items()}
     meta = {
         "name": name, "date (UTC)": stamp,
-        "mode": mode + (" preset, custom sweep" if args.workloads or args.concurrency else ""), "model": plan.model.name, "length scale": plan.scale,
+        "mode": mode + (" preset, custom sweep" if args.workloads or args.concurrency else ""),
+        "model": plan.model.name, "length scale": plan.scale,
         "machine": f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} before / {os.getloadavg()[0]:.2f} after",
         "OMP_NUM_THREADS": plan.torch_threads or "unset (torch default)",
         "llm_dynamic batcher": _batcher_line(repo),

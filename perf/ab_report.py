@@ -204,7 +204,8 @@ def write_markdown(cells: list[Cell], workloads: dict[str, WorkloadInfo], genai:
                     else c.step_summary)
             lines.append(f"| {c.concurrency} | {c.arm} | {s.num_requests} | {s.num_errors} | {_f(s.tokens_per_s)} | "
                          f"{_f(s.requests_per_s, 2)} | {_f(s.ttft_p50_ms, 0)} | {_f(s.ttft_p99_ms, 0)} | "
-                         f"{_f(s.itl_p50_ms)} | {_f(s.itl_p99_ms)} | {_f(s.e2e_p50_ms, 0)} | {_f(s.e2e_p99_ms, 0)} | {seen} |")
+                         f"{_f(s.itl_p50_ms)} | {_f(s.itl_p99_ms)} | {_f(s.e2e_p50_ms, 0)} | "
+                         f"{_f(s.e2e_p99_ms, 0)} | {seen} |")
         lines.append("")
     lines += ["Latencies in ms. Throughput over the steady window (first to last request sent, every client busy); "
               "TTFT, ITL (per request: (last - first token time) / (tokens - 1)) and e2e over all requests. "
@@ -222,7 +223,8 @@ def write_markdown(cells: list[Cell], workloads: dict[str, WorkloadInfo], genai:
             head = (f"| {g['arm']} | {g['model']} | {g['concurrency']} | {g['requests']} | {g['input_tokens']} | "
                     f"{g['output_mean']}/{g['output_stddev']} |")
             lines.append(head + (f" {_f(s.tokens_per_s)} | {_f(s.requests_per_s, 2)} | {_f(s.ttft_p50_ms, 0)} | "
-                                 f"{_f(s.ttft_p99_ms, 0)} | {_f(s.itl_p50_ms)} | {_f(s.itl_p99_ms)} | {_f(s.e2e_p99_ms, 0)} |"
+                                 f"{_f(s.ttft_p99_ms, 0)} | {_f(s.itl_p50_ms)} | {_f(s.itl_p99_ms)} | "
+                                 f"{_f(s.e2e_p99_ms, 0)} |"
                                  if s else f" failed: {g['error'].splitlines()[0]} | | | | | | |"))
         lines.append("")
     if plots:

@@ -34,7 +34,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "backend_src"))
 
 from inflight import LLM, SamplingParams  # noqa: E402
 from inflight.attention import BACKEND_ENV  # noqa: E402

@@ -13,18 +13,16 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from inflight import LLM, SamplingParams
+from inflight.model.linear import cpu_gemm_choice
+from inflight.step_timer import StepTimer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "backend_src"))
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from inflight import LLM, SamplingParams  # noqa: E402
-from inflight.model.linear import cpu_gemm_choice  # noqa: E402
-from inflight.step_timer import StepTimer  # noqa: E402
 
 MIX = [20, 50, 200, 800]
 

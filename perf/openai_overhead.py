@@ -17,20 +17,20 @@ import asyncio
 import ipaddress
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
+
+from server_harness.openai_stack import FrontendProcess
+from server_harness.repository import make_model_repository
+from server_harness.server import TritonServer
+from server_harness.stream_client import make_inputs
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the stack helpers the integration tests use
-
-import httpx  # noqa: E402
-
-from openai_stack import FrontendProcess, grpc_inputs, make_model_repository  # noqa: E402
-from triton_server import TritonServer  # noqa: E402
 
 
 @dataclass
@@ -52,7 +52,7 @@ def _sample(t0: float, first: float | None, last: float | None, num_tokens: int)
 
 
 async def direct_one(client, model: str, prompt: str, max_tokens: int) -> Sample:
-    inputs = grpc_inputs(prompt, {"stream": True, "max_tokens": max_tokens, "temperature": 0.0,
+    inputs = make_inputs(prompt, {"stream": True, "max_tokens": max_tokens, "temperature": 0.0,
                                    "ignore_eos": True, "return_finish_reason": True,
                                    "return_num_output_tokens": True})
 
@@ -179,7 +179,8 @@ def main() -> None:
     else:
         args.model_label = Path(args.model_dir).name
         with tempfile.TemporaryDirectory(prefix="openai_overhead-") as tmp:
-            repo = make_model_repository(Path(tmp) / "repo", {args.model: {"model": Path(args.model_dir).resolve()}})
+            repo = make_model_repository(ROOT / "model_repository", Path(tmp) / "repo",
+                                         {args.model: {"model": Path(args.model_dir).resolve()}})
             with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
                 with FrontendProcess(server.grpc_url, Path(tmp) / "frontend.log") as frontend:
                     results = asyncio.run(measure(args, server.grpc_url, frontend.base_url))

@@ -21,14 +21,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the tested server harness, stream client and quiescence check
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_harness.quiescence import quiescence_problems, scrape
+from server_harness.repository import make_model_repository
+from server_harness.server import STUB_ARG_PARENT, TritonServer, python_stubs
+from soak_report import Sample, summarize, write_outputs
+from soak_traffic import ENGINE_BOUND, Endpoints, Traffic, finals_check
 
-from quiescence import quiescence_problems, scrape  # noqa: E402
-from soak_report import Sample, summarize, write_outputs  # noqa: E402
-from soak_traffic import ENGINE_BOUND, Endpoints, Traffic, finals_check  # noqa: E402
-from triton_server import STUB_ARG_PARENT, TritonServer, python_stubs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "llm"
 FINISHED = "vllm:request_success_total"
@@ -82,9 +81,8 @@ def wait_quiescent(ep: Endpoints, num_blocks: int, timeout_s: float, settle_s: f
 
 
 def start_server(args, work: Path) -> TritonServer:
-    from openai_stack import make_model_repository
     model_dir = ROOT / "models" / ("tiny-llama" if args.tiny else "SmolLM2-135M-Instruct")
-    repo = make_model_repository(work / "repo", {MODEL: {
+    repo = make_model_repository(ROOT / "model_repository", work / "repo", {MODEL: {
         "model": model_dir, "num_kv_blocks": args.num_kv_blocks, "max_model_len": 1024,
         "metrics_interval_ms": int(args.metrics_interval_s * 1000), "default_max_tokens": 64}})
     server = TritonServer(repo, log_path=work / "server.log")
@@ -139,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 result_leftovers = []
         result["summary"]["leftovers"] = result_leftovers
         config = {"duration_s": duration, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                  "model": "tiny-llama" if args.tiny else ("SmolLM2-135M-Instruct" if not args.grpc_url else args.model),
+                  "model": ("tiny-llama" if args.tiny else
+                            "SmolLM2-135M-Instruct" if not args.grpc_url else args.model),
                   "num_kv_blocks": num_blocks, "seed": args.seed, "server": args.grpc_url or "started by soak.py",
                   "sample_every_s": every, "started": result["started"]}
         write_outputs(out_dir, config, result["summary"], result["samples"], result["outcomes"])

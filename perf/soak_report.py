@@ -180,9 +180,11 @@ def _markdown(config: dict, s: dict, samples: list[Sample], plotted: bool) -> st
         "",
         "## Memory (the model's python-backend stub)",
         "",
-        f"RSS at start {_fmt(s['stub_rss_start_mb'], 0)} MB, after warm-up {_fmt(s['stub_rss_after_warmup_mb'], 0)} MB, "
+        f"RSS at start {_fmt(s['stub_rss_start_mb'], 0)} MB, "
+        f"after warm-up {_fmt(s['stub_rss_after_warmup_mb'], 0)} MB, "
         f"at the end {_fmt(s['stub_rss_end_mb'], 0)} MB, max {_fmt(s['stub_rss_max_mb'], 0)} MB: growth after "
-        f"warm-up {_fmt(s['stub_rss_growth_mb'], 1)} MB (least-squares slope {_fmt(s['stub_rss_slope_mb_per_min'], 2)} MB/min). "
+        f"warm-up {_fmt(s['stub_rss_growth_mb'], 1)} MB "
+        f"(least-squares slope {_fmt(s['stub_rss_slope_mb_per_min'], 2)} MB/min). "
         f"tritonserver itself: {_fmt(s.get('server_rss_after_warmup_mb'), 0)} MB after warm-up, "
         f"{_fmt(s.get('server_rss_end_mb'), 0)} MB at the end.",
         "",

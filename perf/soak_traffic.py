@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from stream_client import StreamClient
+from server_harness.stream_client import StreamClient
 
 PROMPTS = ["Why is the sky blue?", "Write a haiku about autumn.", "List three prime numbers.",
            "Explain what a hash table is.", "你好，请介绍一下你自己。", "Translate 'good morning' to French.",

@@ -16,12 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+import ab_workloads
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "backend_src"))
-
-import numpy as np  # noqa: E402
-
-import ab_workloads  # noqa: E402
 
 
 class _Timed:
@@ -62,7 +61,7 @@ def measure(model: Path, sizes: list[int], num_steps: int) -> list[dict]:
         for _ in range(num_steps):
             engine.step()
         step_s = (time.perf_counter() - t0) / num_steps
-        for name, (owner, method) in parts.items():
+        for owner, method in parts.values():
             delattr(getattr(engine, owner), method)
         engine.sampler = timers["sampler"].fn
         while engine.has_unfinished_requests():
@@ -99,7 +98,8 @@ def main() -> int:
     c, a = np.polyfit(bs, np.array([r["step_ms"] for r in rows]), 1)
     lines = [f"# Engine step cost on this machine ({args.model.name})", "",
              f"{os.cpu_count()} CPUs, load average {load:.2f} at start, OMP_NUM_THREADS="
-             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {args.steps} decode steps per size, prompts of ~30 tokens.",
+             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}; {args.steps} decode steps per size, "
+             "prompts of ~30 tokens.",
              "", "| running requests | step (ms) | model forward | sampler | scheduler | detokenizer | tokens/s |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -45,7 +45,7 @@ def preprocessing(llm: mc.ModelConfig) -> str:
                 '  { name: "request_config" data_type: TYPE_STRING dims: [ 1, 1 ] }'])
             + "\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n\n"
             + "# model: the tokenizer folder, which must be the engine's (llm_dynamic's) model\n"
-            + 'parameters { key: "model" value: { string_value: "models/SmolLM2-135M-Instruct" } }\n'
+            + 'parameters { key: "model" value: { string_value: "../models/SmolLM2-135M-Instruct" } }\n'
             + 'parameters { key: "max_prompt_bytes" value: { string_value: "1048576" } }\n')
 
 

@@ -20,13 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-# The readiness wait and the leftover checks are shared with the test helper (tests/triton_server.py):
-# stubs are found in /proc by name, and a stub's argv names its shm region and its server's pid. (Run as a
-# script, serve.py has its own folder, scripts/, on sys.path.)
-from tritonserver_process import SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions, wait_ready
+# The readiness wait and the leftover checks are shared with the test harness (server_harness.server): stubs
+# are found in /proc by name, and a stub's argv names its shm region and its server's pid.
+from server_harness.process import (SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, TRITONSERVER, python_stubs, shm_regions,
+                                    wait_ready)
 
 ROOT = Path(__file__).resolve().parent.parent
-TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
 # Admin-only endpoints need the header "admin-key: <ADMIN_KEY>" (on gRPC, Triton 2.51 prefixes it:
 # "triton-grpc-protocol-admin-key"); inference, health, metadata, model config and statistics stay open
 # (perf_analyzer and genai-perf read config and statistics).
@@ -142,7 +141,7 @@ def start_openai(host: str, port: int, grpc: int, repo: Path, admin_key: str) ->
     args = [sys.executable, "-m", "openai_frontend", "--triton-grpc", f"{grpc_host}:{grpc}", "--host", host,
             "--port", str(port), "--model-repository", str(repo), "--log-level", "warning"]
     # The admin key lets /v1/models read the (restricted) repository index; by environment, not argv.
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "backend_src"), "TRITON_ADMIN_KEY": admin_key}
+    env = {**os.environ, "TRITON_ADMIN_KEY": admin_key}
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True,
                             preexec_fn=die_with_parent)
     if wait_ready(proc, f"http://{grpc_host}:{port}/health", timeout_s=60):

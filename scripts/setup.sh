@@ -39,6 +39,17 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   say "requirements installed in $((SECONDS - t0)) s"
 fi
 
+# 2b. Our own packages (pyproject.toml: everything under backend_src/), editable, so model.py files, scripts,
+#     perf and tests import them by name and see edits at once. Redone when pyproject.toml or the checkout's
+#     path changes (the editable link names the path).
+want=$(cat pyproject.toml <(echo "$ROOT") | sha256sum | cut -d' ' -f1)
+stamp=$VENV/.package.sha256
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  say "installing the project's packages (editable)"
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation --editable "$ROOT"
+  echo "$want" >"$stamp"
+fi
+
 SP=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 LIBDIR=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
 PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')

@@ -1,4 +1,4 @@
-"""Shared fixtures. pytest puts this folder on sys.path, so tests can `import triton_server`."""
+"""Shared fixtures (pyproject.toml puts tests/ on pytest's pythonpath, for engine_helpers and serve_script)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from triton_server import TritonServer
+from server_harness.server import TritonServer
 
 
 @pytest.fixture

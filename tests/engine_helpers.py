@@ -1,12 +1,14 @@
-"""Shared checks for engine tests: the pool-is-whole invariant, model paths, an HF greedy oracle."""
+"""Shared by the tests: the pool-is-whole invariant, paths in the checkout, an HF greedy oracle."""
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 TINY = os.path.join(ROOT, "models", "tiny-llama")
+MODEL_REPOSITORY = Path(ROOT) / "model_repository"  # the project's own, the source every test repository copies
 
 
 def assert_pool_whole(engine) -> None:
@@ -31,7 +33,8 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     import torch
     model = hf_model(path)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=mask,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

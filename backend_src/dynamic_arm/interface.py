@@ -45,7 +45,8 @@ def decode_request(raw: bytes | str) -> ParsedRequest:
         raise InvalidRequestError(f"request_config={str(raw)[:80]!r} is malformed: allowed a JSON object with 'params'")
     unknown = sorted(set(body["params"]) - set(_PARAM_NAMES))
     if unknown:
-        raise InvalidRequestError(f"request_config params key {unknown[0]!r} is unknown: allowed {', '.join(_PARAM_NAMES)}")
+        raise InvalidRequestError(f"request_config params key {unknown[0]!r} is unknown: "
+                                  f"allowed {', '.join(_PARAM_NAMES)}")
     try:
         params = SamplingParams(**body["params"])
     except TypeError as e:

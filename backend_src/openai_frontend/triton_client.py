@@ -15,7 +15,6 @@ from .triton_io import Delta, ModelInfo, build_request, find_tokenizer_dir, make
 
 log = logging.getLogger(__name__)
 
-_PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _DRAIN_TIMEOUT_S = 10.0
 
 
@@ -44,11 +43,11 @@ class TritonBackend:
         # Triton reads it from the header triton-grpc-protocol-<restricted key name>.
         self._index_headers = {"triton-grpc-protocol-admin-key": admin_key} if admin_key else None
         self.tokenizers = dict(tokenizers or {})
-        # Our llm model resolves a relative model path against the project root; other models may mean the
-        # server's working directory or the repository. Try each.
-        self.search_roots = [_PROJECT_ROOT, Path.cwd()]
+        # Our models resolve a relative model path against the model repository; other models may mean the
+        # server's working directory or the model's own folder. Try each.
+        self.search_roots = [Path.cwd()]
         if model_repository:
-            self.search_roots += [Path(model_repository), Path(model_repository).parent]
+            self.search_roots = [Path(model_repository), Path(model_repository).parent, *self.search_roots]
         self._models: dict[str, ModelInfo] = {}
         self._lock = asyncio.Lock()
         self._drains: set[asyncio.Task] = set()  # finished streams being read to their end

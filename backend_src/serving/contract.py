@@ -238,7 +238,8 @@ def _parse_sampling_json(array: Any, limits: ContractLimits) -> dict[str, Any]:
     if not isinstance(raw, (bytes, str)):
         raise _bad("sampling_parameters", raw, "a JSON object as a BYTES/string element")
     if len(raw) > limits.max_json_bytes:
-        raise _bad("sampling_parameters", _Described(f"<{len(raw)} bytes>"), f"at most {limits.max_json_bytes} bytes of JSON")
+        raise _bad("sampling_parameters", _Described(f"<{len(raw)} bytes>"),
+                   f"at most {limits.max_json_bytes} bytes of JSON")
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -270,7 +271,8 @@ def _parse_prompt(inputs: Mapping[str, Any], limits: ContractLimits, required: b
     if not isinstance(raw, bytes):
         raise _bad("text_input", raw, "a BYTES (string) tensor")
     if len(raw) > limits.max_prompt_bytes:
-        raise _bad("text_input", _Described(f"<{len(raw)} bytes>"), f"a prompt of at most {limits.max_prompt_bytes} bytes")
+        raise _bad("text_input", _Described(f"<{len(raw)} bytes>"),
+                   f"a prompt of at most {limits.max_prompt_bytes} bytes")
     try:
         prompt = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -290,7 +292,8 @@ def parse_request(inputs: Mapping[str, Any], parameters: Mapping[str, Any] | Non
     parameters = dict(parameters or {})
     unknown_inputs = sorted(n for n in inputs if n not in INPUT_NAMES)
     if unknown_inputs:
-        raise InvalidRequestError(f"input {unknown_inputs[0]!r} is unknown: allowed inputs are {', '.join(INPUT_NAMES)}")
+        raise InvalidRequestError(f"input {unknown_inputs[0]!r} is unknown: "
+                                  f"allowed inputs are {', '.join(INPUT_NAMES)}")
 
     # `stop` as a request parameter: a bool is TensorRT-LLM's cancel flag, text is vLLM's stop words.
     cancel = False

@@ -11,7 +11,7 @@ from inflight.config import EngineConfig
 
 from .contract import ContractLimits
 
-DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
+DEFAULT_MODEL = "../models/SmolLM2-135M-Instruct"  # the checkout's models/, seen from model_repository/
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,15 @@ def _bool(name: str, raw: str) -> bool:
 
 
 def resolve_model_path(raw: str, root: Path) -> Path:
-    """Absolute paths stay; relative ones are taken against the project root (the folder holding
-    backend_src and models). The folder must exist: a typo should fail the load, not the first request."""
+    """Absolute paths stay; relative ones are taken against `root`, the model repository (the folder given to
+    --model-repository), so a repository and its models can move together. The folder must exist: a typo
+    should fail the load, not the first request."""
     path = Path(os.path.expandvars(os.path.expanduser(raw.strip())))
     if not path.is_absolute():
         path = root / path
     if not (path / "config.json").is_file():
         raise ValueError(f"parameter model={raw!r} resolves to {path}, which holds no config.json: "
-                         f"allowed a Hugging Face model folder (absolute, or relative to {root})")
+                         f"allowed a Hugging Face model folder (absolute, or relative to the model repository {root})")
     return path
 
 

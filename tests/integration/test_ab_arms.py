@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "perf"))
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.repository import build_repository
+from server_harness.server import TritonServer
 
-from ab_repo import build_repository  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ROOT / "models" / "tiny-llama"
 PROMPTS = ["The capital of France is", "Café au lait, naïve résumé: ☕ ", "1, 2, 3, 4,", "Why is the sky blue?"]
@@ -80,14 +81,13 @@ def batch_sizes(metrics_url: str) -> dict[int, int]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     # A long queue delay makes concurrent requests land in one batch even on a loaded machine.
-    return build_repository(tmp_path_factory.mktemp("ab") / "model_repository",
+    return build_repository(MODEL_REPOSITORY, tmp_path_factory.mktemp("ab") / "model_repository",
                             {"model": str(TINY), "kv_cache_memory_bytes": str(16 << 20)},
                             max_batch_size=8, max_queue_delay_us=300_000)
 
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    from triton_server import TritonServer
     srv = TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log", env={"OMP_NUM_THREADS": "1"})
     with srv:
         yield srv
@@ -147,7 +147,6 @@ def test_triton_hands_execute_several_requests_and_a_bad_one_costs_only_itself(s
 
 
 def test_config_swap_serves_llm_with_the_dynamic_arm(repo, server, tmp_path):
-    from triton_server import TritonServer
     expected, _ = generate(server.grpc_url, "llm", PROMPTS[0], max_tokens=12, temperature=0.0, ignore_eos=True)
     with TritonServer(repo, ["--model-config-name=dynamic"], log_path=tmp_path / "swap.log",
                       env={"OMP_NUM_THREADS": "1"}) as swapped:

@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from openai_stack import make_model_repository
-from quiescence import assert_quiescent, http_status, scrape
-from stream_client import StreamClient, finals_problems
-from triton_server import STUB_ARG_PARENT, TritonServer, python_stubs
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.repository import make_model_repository
+from server_harness.quiescence import assert_quiescent, http_status, scrape
+from server_harness.stream_client import StreamClient, finals_problems
+from server_harness.server import STUB_ARG_PARENT, TritonServer, python_stubs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -59,7 +60,7 @@ def _need_models():
 def server(tmp_path_factory):
     _need_models()
     tmp = tmp_path_factory.mktemp("faults")
-    repo = make_model_repository(tmp / "repo", MODELS)
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", MODELS)
     srv = TritonServer(repo, log_path=tmp / "server.log")
     print(f"tritonserver log: {srv.log_path}")
     with srv:
@@ -216,7 +217,7 @@ def test_cancel_after_the_final_response(server):
 
 _DOOMED_CLIENT = """
 import sys, time
-from stream_client import StreamClient
+from server_harness.stream_client import StreamClient
 c = StreamClient(sys.argv[1])
 c.send("tiny", "doomed", "Keep talking", {"stream": True, "ignore_eos": True, "max_tokens": 400},
        {"inject_fault": "slow:ms=25,steps=400"})
@@ -494,7 +495,7 @@ def test_engine_exception_mid_run_errors_every_request_once_and_the_model_recove
 
 def _own_server(factory, tmp_path, **kwargs):
     _need_models()
-    repo = make_model_repository(tmp_path / "repo", {"tiny": MODELS["tiny"]})
+    repo = make_model_repository(MODEL_REPOSITORY, tmp_path / "repo", {"tiny": MODELS["tiny"]})
     return factory(repo, **kwargs)
 
 

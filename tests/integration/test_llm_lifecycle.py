@@ -1,8 +1,11 @@
 """The `llm` model's lifecycle on the real tritonserver: a bad config.pbtxt parameter fails the load
-with its name, and `make serve`'s scripts/serve.py starts, answers and stops without leftovers."""
+with its name, `make serve`'s scripts/serve.py starts, answers and stops without leftovers, and a copy of
+the model repository serves from anywhere on disk."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -10,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from openai_stack import make_model_repository
-from triton_server import TritonServer, free_ports, python_stubs, serve_script
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.openai_stack import grpc_generate
+from server_harness.repository import make_model_repository
+from server_harness.server import TritonServer, free_ports, python_stubs
+from serve_script import serve_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -23,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 def tiny_repo(tmp_path):
     if not (TINY / "config.json").exists():
         pytest.skip(f"{TINY} missing: run `make setup`")
-    return make_model_repository(tmp_path / "repo", {"llm": {"model": TINY, "num_kv_blocks": 64,
+    return make_model_repository(MODEL_REPOSITORY, tmp_path / "repo", {"llm": {"model": TINY, "num_kv_blocks": 64,
                                                              "max_model_len": 128}})
 
 
@@ -32,7 +38,8 @@ def test_a_bad_parameter_fails_the_load_naming_it(tmp_path):
         pytest.skip(f"{TINY} missing: run `make setup`")
     # Two broken models in one server (each load is tried, each failure logged): an unknown name, a
     # malformed value.
-    repo = make_model_repository(tmp_path / "repo", {"llm_unknown": {"model": TINY}, "llm_malformed": {"model": TINY}})
+    repo = make_model_repository(MODEL_REPOSITORY, tmp_path / "repo",
+                                 {"llm_unknown": {"model": TINY}, "llm_malformed": {"model": TINY}})
     for model, (old, new) in {"llm_unknown": ('key: "max_num_seqs"', 'key: "max_num_sequences"'),
                               "llm_malformed": ('string_value: "512"', 'string_value: "lots"')}.items():
         cfg = repo / model / "config.pbtxt"
@@ -82,3 +89,26 @@ def _server_pid(serve_pid: int) -> int:
     servers = [int(c) for c in children if b"tritonserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(servers) == 1, children
     return servers[0]
+
+
+def test_a_copy_of_the_model_repository_serves_from_anywhere(tmp_path):
+    """What a Triton user does with a repository (copy it, mount it, bake it into an image): nothing but the
+    model path changes, no environment variable is set, and every model loads and answers."""
+    if not (TINY / "config.json").exists():
+        pytest.skip(f"{TINY} missing: run `make setup`")
+    copy = tmp_path / "somewhere" / "else" / "models"
+    shutil.copytree(MODEL_REPOSITORY, copy)
+    edited = 0
+    for cfg in copy.glob("*/config.pbtxt"):
+        text, n = re.subn(r'(key: "model"\s*value: \{ string_value: ")[^"]*(")', rf"\g<1>{TINY}\g<2>", cfg.read_text())
+        cfg.write_text(text)
+        edited += n
+    assert edited == 3  # llm, llm_dynamic and preprocessing name the model folder
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFLIGHT_", "PYTHONPATH"))}
+    server = TritonServer(copy, log_path=tmp_path / "server.log", env=env, clear_env=True)
+    with server:
+        for model in ("llm", "llm_ensemble"):
+            text, final = grpc_generate(server.grpc_url, model, "The capital of France is", max_tokens=4,
+                                        ignore_eos=True, temperature=0.0)
+            assert text and final["finish_reason"] == "length", (model, text, final)
+    assert server.leftovers() == []

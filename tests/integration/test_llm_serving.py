@@ -13,7 +13,6 @@ import os
 import queue
 import re
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -26,14 +25,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from openai_stack import make_model_repository
-from quiescence import scrape as scrape_metrics
-from stream_client import make_inputs
-from triton_server import TritonServer
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.repository import make_model_repository
+from server_harness.quiescence import scrape as scrape_metrics
+from server_harness.stream_client import make_inputs
+from server_harness.server import TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "backend_src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "backend_src"))  # the offline engine, for the fidelity check
 TINY = ROOT / "models" / "tiny-llama"
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
 TINY_MAX_MODEL_LEN = 256
@@ -48,7 +46,7 @@ def server(tmp_path_factory):
         if not (folder / "config.json").exists():
             pytest.skip(f"{folder} missing: run `make setup`")
     tmp = tmp_path_factory.mktemp("llm_serving")
-    repo = make_model_repository(tmp / "repo", {
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", {
         "llm_tiny": {"model": TINY, "num_kv_blocks": 256, "max_model_len": TINY_MAX_MODEL_LEN,
                 "metrics_interval_ms": int(METRICS_INTERVAL_S * 1000), "cancel_check_period_ms": 50,
                 "default_max_tokens": 32},
@@ -363,8 +361,8 @@ def test_http_generate_and_generate_stream(server):
     assert sum(e["num_output_tokens"] for e in events) == 10
     assert events[-1]["finish_reason"] == "length" and all("finish_reason" not in e for e in events[:-1])
     # Request parameters work too (the generate extension passes unknown JSON fields as parameters).
-    req = urllib.request.Request(f"{server.http_base}/v2/models/llm/generate", data=json.dumps(
-        {"text_input": "你好 HTTP 😀", "parameters": {"max_tokens": 10, "temperature": 0, "ignore_eos": True}}).encode())
+    body = {"text_input": "你好 HTTP 😀", "parameters": {"max_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(f"{server.http_base}/v2/models/llm/generate", data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert json.loads(resp.read())["text_output"] == whole["text_output"]
 
@@ -386,7 +384,8 @@ def test_metrics_exist_and_agree_with_the_requests_sent(server):
         return m.get(key, 0) - before.get(key, 0)
 
     def settled(m):
-        return delta(m, "vllm:e2e_request_latency_seconds_count") == 3 and delta(m, "vllm:generation_tokens_total") == 18
+        return (delta(m, "vllm:e2e_request_latency_seconds_count") == 3
+                and delta(m, "vllm:generation_tokens_total") == 18)
 
     after = wait_for_metrics(server, settled)
     assert delta(after, "vllm:generation_tokens_total") == 18

@@ -18,8 +18,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from openai_stack import ROOT, FrontendProcess, grpc_generate, make_model_repository, scrape
-from triton_server import TritonServer, free_ports, serve_script
+from server_harness.openai_stack import FrontendProcess, grpc_generate, scrape
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.repository import make_model_repository
+from engine_helpers import ROOT
+from server_harness.server import TritonServer, free_ports
+from serve_script import serve_script
 
 TINY = ROOT / "models" / "tiny-llama"
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -35,7 +39,7 @@ def stack(tmp_path_factory):
         if not (folder / ".complete").exists():
             pytest.skip(f"{folder} missing: run scripts/prepare_models.py")
     tmp = tmp_path_factory.mktemp("openai_stack")
-    repo = make_model_repository(tmp / "repo", {
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", {
         "tiny": {"model": TINY, "default_max_tokens": DEFAULT_MAX_TOKENS, "kv_cache_memory_bytes": SMALL_KV,
                  "metrics_interval_ms": 200, "cancel_check_period_ms": 50},
         "smol": {"model": SMOL, "kv_cache_memory_bytes": SMALL_KV},
@@ -326,7 +330,8 @@ def test_disconnect_frees_the_request(stack, stream):
 def test_serve_script_runs_the_openai_api_beside_tritonserver(tmp_path):
     """scripts/serve.py with OPENAI_PORT: the API answers, lists models through the admin-restricted
     repository index, and is stopped with the server."""
-    repo = make_model_repository(tmp_path / "repo", {"llm": {"model": TINY, "kv_cache_memory_bytes": SMALL_KV}})
+    repo = make_model_repository(MODEL_REPOSITORY, tmp_path / "repo",
+                                 {"llm": {"model": TINY, "kv_cache_memory_bytes": SMALL_KV}})
     http, grpc, metrics, oai = free_ports(4)
     env = {**os.environ, "MODEL_REPOSITORY": str(repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
            "METRICS_PORT": str(metrics), "OPENAI_PORT": str(oai), "EXIT_TIMEOUT_SECS": "5"}

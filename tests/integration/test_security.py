@@ -14,8 +14,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from openai_stack import make_model_repository
-from triton_server import free_ports, serve_script
+from engine_helpers import MODEL_REPOSITORY
+from server_harness.repository import make_model_repository
+from server_harness.server import free_ports
+from serve_script import serve_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -68,7 +70,8 @@ def served(tmp_path_factory):
     if not (TINY / "config.json").exists():
         pytest.skip(f"{TINY} missing: run `make setup`")
     tmp = tmp_path_factory.mktemp("security")
-    repo = make_model_repository(tmp / "repo", {"llm": {"model": TINY, "num_kv_blocks": 64, "max_model_len": 128}})
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo",
+                                 {"llm": {"model": TINY, "num_kv_blocks": 64, "max_model_len": 128}})
     http, grpc, metrics = free_ports(3)
     env = {**os.environ, "MODEL_REPOSITORY": str(repo), "HTTP_PORT": str(http), "GRPC_PORT": str(grpc),
            "METRICS_PORT": str(metrics), "EXIT_TIMEOUT_SECS": "5", "OPENAI_PORT": "off", "ADMIN_KEY": KEY}

@@ -14,7 +14,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
-from triton_server import SHM_DIR, TritonServer, python_stubs, shm_regions
+from server_harness.server import SHM_DIR, TritonServer, python_stubs, shm_regions
 
 ECHO_CONFIG = """
 backend: "python"

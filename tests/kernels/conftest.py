@@ -5,7 +5,6 @@ import importlib
 import os
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +13,6 @@ import torch
 # A GPU host keeps whatever the caller chose, so there the real compiled kernels are tested.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-
-_BACKEND_SRC = str(Path(__file__).resolve().parents[2] / "backend_src")
-if _BACKEND_SRC not in sys.path:
-    sys.path.insert(0, _BACKEND_SRC)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +38,8 @@ def tk(device: torch.device):
         # Another test imported triton before this conftest ran (only a root conftest can prevent that):
         # re-import triton's Python modules (its C extension stays) so they are rebuilt for the interpreter.
         warnings.warn("triton was imported before TRITON_INTERPRET=1 was set; re-importing it for the "
-                      "kernel tests. Set TRITON_INTERPRET=1 in tests/conftest.py on CUDA-less hosts instead.")
+                      "kernel tests. Set TRITON_INTERPRET=1 in tests/conftest.py on CUDA-less hosts instead.",
+                      stacklevel=2)
         for mod_name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
             if not mod_name.startswith("triton._C"):
                 del sys.modules[mod_name]

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from serving.health_probe import HealthProbe, base_url_from_cmdline
-from triton_server import free_ports
+from server_harness.server import free_ports
 
 
 @pytest.mark.parametrize("args,url", [

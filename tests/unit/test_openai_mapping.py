@@ -170,7 +170,8 @@ def test_model_info_contract_detection_and_tokenizer_dir(tmp_path):
 
 
 def test_parse_response_reads_optional_outputs():
-    outs = {"text_output": np.array([b"ab\xc3\xa9"], dtype=object), "finish_reason": np.array([b"length"], dtype=object),
+    outs = {"text_output": np.array([b"ab\xc3\xa9"], dtype=object),
+            "finish_reason": np.array([b"length"], dtype=object),
             "num_input_tokens": np.array([5], dtype=np.int32), "num_output_tokens": np.array([[3]], dtype=np.int32)}
     d = parse_response(outs.get)
     assert d == Delta("abé", "length", 5, 3)

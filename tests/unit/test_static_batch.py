@@ -162,7 +162,8 @@ def test_request_config_round_trips_every_field():
                          "bad_words": ["x"]})
     back = decode_request(encode_request(req))
     assert back == req  # including the prompt, echoed because exclude_input_in_output=False
-    assert decode_request(encode_request(parse_request({"text_input": np.array([b"Hi"], dtype=np.object_)}))).prompt == ""
+    plain = parse_request({"text_input": np.array([b"Hi"], dtype=np.object_)})
+    assert decode_request(encode_request(plain)).prompt == ""
 
 
 @pytest.mark.parametrize("raw, match", [

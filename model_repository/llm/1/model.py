@@ -5,38 +5,20 @@ pb_utils: it reads tensors and parameters, wraps response senders and metric fam
 """
 import json
 import logging
-import os
-import sys
 import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-log = logging.getLogger("llm")
-
-
-def _backend_src() -> Path:
-    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks followed, so a
-    generated model repository that links to this file still finds the project)."""
-    override = os.environ.get("INFLIGHT_BACKEND_SRC")
-    if override:
-        return Path(override).resolve()
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "backend_src" / "inflight").is_dir():
-            return parent / "backend_src"
-    raise RuntimeError(f"backend_src/inflight not found above {Path(__file__).resolve()}: "
-                       "set INFLIGHT_BACKEND_SRC to the project's backend_src folder")
-
-
-_SRC = _backend_src()
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
 
 # Light imports only: a bad config.pbtxt parameter fails the load before torch is imported.
-from serving.errors import RequestError  # noqa: E402
-from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
-from serving.health_probe import HealthProbe, discover_base_url  # noqa: E402
-from serving.test_hooks import FaultInjector  # noqa: E402
+from serving.errors import RequestError
+from serving.options import flatten_triton_parameters, parse_model_parameters
+from serving.health_probe import HealthProbe, discover_base_url
+from serving.test_hooks import FaultInjector
+
+
+log = logging.getLogger("llm")
 
 
 def _error_code(name: str):
@@ -122,7 +104,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
         self._input_names = [i["name"] for i in model_config["input"]]
-        options = parse_model_parameters(flatten_triton_parameters(model_config), _SRC.parent)
+        options = parse_model_parameters(flatten_triton_parameters(model_config), Path(args["model_repository"]).parent)
         from inflight.engine import LLMEngine
         from serving.frontend import InflightFrontend
         from serving.metrics_export import MetricsExporter

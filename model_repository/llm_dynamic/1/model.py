@@ -5,35 +5,19 @@ StaticBatchRunner (which blocks until every request has its final), records the 
 """
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from dynamic_arm.interface import decode_request
+from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
+from inflight.engine import LLMEngine
+from inflight.sequence import InvalidRequestError
+from serving.errors import RequestError
+from serving.options import flatten_triton_parameters, parse_model_parameters
+
+
 log = logging.getLogger("llm_dynamic")
-
-
-def _backend_src() -> Path:
-    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks resolved)."""
-    if os.environ.get("INFLIGHT_BACKEND_SRC"):
-        return Path(os.environ["INFLIGHT_BACKEND_SRC"]).resolve()
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "backend_src" / "inflight").is_dir():
-            return parent / "backend_src"
-    raise RuntimeError(f"backend_src not found above {Path(__file__).resolve()}: set INFLIGHT_BACKEND_SRC")
-
-
-_SRC = _backend_src()
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
-
-from dynamic_arm.interface import decode_request  # noqa: E402
-from dynamic_arm.static_batch import BatchItem, StaticBatchRunner  # noqa: E402
-from inflight.engine import LLMEngine  # noqa: E402
-from inflight.sequence import InvalidRequestError  # noqa: E402
-from serving.errors import RequestError  # noqa: E402
-from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
 
 
 class _BatchedTransport:
@@ -72,7 +56,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("model_transaction_policy.decoupled=false is not allowed: "
                                                 "this model streams; set it to true")
-        options = parse_model_parameters(flatten_triton_parameters(model_config), _SRC.parent)
+        options = parse_model_parameters(flatten_triton_parameters(model_config), Path(args["model_repository"]).parent)
         engine_config = options.engine
         if not engine_config.static_batching:
             raise pb_utils.TritonModelException("parameter static_batching=false is not allowed in llm_dynamic: "

@@ -1,30 +1,13 @@
 """Triton model `postprocessing`: one llm_dynamic response in, the public outputs out (stateless; the text
 was detokenized incrementally by the engine, see dynamic_arm.interface.to_public_outputs)."""
 import logging
-import os
-import sys
-from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from dynamic_arm.interface import to_public_outputs
+
+
 log = logging.getLogger("postprocessing")
-
-
-def _backend_src() -> Path:
-    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks resolved)."""
-    if os.environ.get("INFLIGHT_BACKEND_SRC"):
-        return Path(os.environ["INFLIGHT_BACKEND_SRC"]).resolve()
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "backend_src" / "inflight").is_dir():
-            return parent / "backend_src"
-    raise RuntimeError(f"backend_src not found above {Path(__file__).resolve()}: set INFLIGHT_BACKEND_SRC")
-
-
-_SRC = _backend_src()
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
-
-from dynamic_arm.interface import to_public_outputs  # noqa: E402
 
 _INPUTS = ("output_ids", "text_delta", "finish_reason", "num_input_tokens", "num_output_tokens",
            "cumulative_logprob")

@@ -2,36 +2,20 @@
 parsed request out (backend_src/dynamic_arm/interface.py). A refused request gets its error here."""
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from transformers import AutoTokenizer
+
+from dynamic_arm.interface import encode_request
+from inflight.sequence import InvalidRequestError
+from serving.contract import parse_request
+from serving.options import flatten_triton_parameters, parse_model_parameters
+
+
 log = logging.getLogger("preprocessing")
-
-
-def _backend_src() -> Path:
-    """INFLIGHT_BACKEND_SRC, else the nearest backend_src above this file (symlinks resolved)."""
-    if os.environ.get("INFLIGHT_BACKEND_SRC"):
-        return Path(os.environ["INFLIGHT_BACKEND_SRC"]).resolve()
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "backend_src" / "inflight").is_dir():
-            return parent / "backend_src"
-    raise RuntimeError(f"backend_src not found above {Path(__file__).resolve()}: set INFLIGHT_BACKEND_SRC")
-
-
-_SRC = _backend_src()
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
-
-from transformers import AutoTokenizer  # noqa: E402
-
-from dynamic_arm.interface import encode_request  # noqa: E402
-from inflight.sequence import InvalidRequestError  # noqa: E402
-from serving.contract import parse_request  # noqa: E402
-from serving.options import flatten_triton_parameters, parse_model_parameters  # noqa: E402
 
 
 def _error(message: str):
@@ -45,7 +29,7 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         model_config = json.loads(args["model_config"])
         self._input_names = [i["name"] for i in model_config["input"]]
-        options = parse_model_parameters(flatten_triton_parameters(model_config), _SRC.parent)
+        options = parse_model_parameters(flatten_triton_parameters(model_config), Path(args["model_repository"]).parent)
         self.limits = options.limits
         # Must be the engine's tokenizer: the engine would encode a text prompt exactly like this.
         self.tokenizer = AutoTokenizer.from_pretrained(options.engine.model)

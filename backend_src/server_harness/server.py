@@ -1,4 +1,4 @@
-"""Start the real tritonserver for a test, stop it by its own pid, and report what it left behind.
+"""Start the real tritonserver (for a test or a benchmark), stop it by its own pid, and report what it left behind.
 
 Used through the `triton_server_factory` fixture (tests/conftest.py) or directly:
 
@@ -10,28 +10,22 @@ Used through the `triton_server_factory` fixture (tests/conftest.py) or directly
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
 # Shared with scripts/serve.py (`make serve`): the readiness wait, and finding a server's stubs and shm regions.
-from tritonserver_process import (  # noqa: E402
-    SHM_DIR, SHM_PREFIX, STUB_ARG_PARENT, STUB_ARG_SHM, python_stubs, shm_regions, wait_ready)
+from .process import (SHM_DIR, SHM_PREFIX, STUB_ARG_PARENT, STUB_ARG_SHM, TRITONSERVER, python_stubs, shm_regions,
+                      wait_ready)
 
-# The wrapper written by scripts/setup.sh (sets library paths and the backend directory).
-TRITONSERVER = ROOT / ".venv" / "bin" / "tritonserver"
-SERVE_SCRIPT = ROOT / "scripts" / "serve.py"
+__all__ = ["SHM_DIR", "STUB_ARG_PARENT", "STUB_ARG_SHM", "TRITONSERVER", "TritonServer", "free_ports", "python_stubs",
+           "shm_regions"]
 
 
 def free_ports(count: int) -> list[int]:
@@ -94,6 +88,7 @@ class TritonServer:
         stop_timeout_s: float | None = None,
         leftover_settle_s: float = 5.0,
         env: Mapping[str, str] | None = None,
+        clear_env: bool = False,
         binary: str | os.PathLike = TRITONSERVER,
     ) -> None:
         self.model_repository = Path(model_repository)
@@ -112,6 +107,7 @@ class TritonServer:
         # for them before reporting them as left behind.
         self.leftover_settle_s = leftover_settle_s
         self.env = dict(env or {})
+        self.clear_env = clear_env  # True: `env` is the whole environment, not additions to ours
         self.binary = Path(binary)
         self.proc: subprocess.Popen | None = None
         self.http_port = self.grpc_port = self.metrics_port = 0
@@ -206,7 +202,7 @@ class TritonServer:
             # The wrapper execs the real binary, so this pid is tritonserver's own.
             self.proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env}, cwd=self.log_path.parent,
+                env=self.env if self.clear_env else {**os.environ, **self.env}, cwd=self.log_path.parent,
                 preexec_fn=_die_with_parent,
             )
 
@@ -286,27 +282,3 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def serve_script(env: Mapping[str, str], log_path: Path, ready_line: str,
-                 timeout_s: float = 180.0) -> Iterator[subprocess.Popen]:
-    """Run scripts/serve.py (`make serve`) with env as its whole environment and its output in log_path;
-    yield its process once ready_line is in the log (assert it gets there alive within timeout_s).
-    Leaving the block normally stops it with SIGINT (Ctrl-C) and asserts exit code 0; whatever is still
-    running after that, or after an exception, is killed."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(SERVE_SCRIPT)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while ready_line not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.2)
-        yield proc
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

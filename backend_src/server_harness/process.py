@@ -1,19 +1,23 @@
-"""What `make serve` (scripts/serve.py) and the test harness (tests/triton_server.py) share about a
-tritonserver process they started: waiting until it is ready, and finding its python-backend stubs and
+"""What `make serve` (scripts/serve.py) and the harness (server.py) share about a tritonserver process
+they started: where the binary is, waiting until it is ready, and finding its python-backend stubs and
 their /dev/shm regions.
 
 Stubs are found in /proc by name, and a stub's argv names its shm region and its server's pid.
-Standard library only, and nothing from tests/: the scripts must run without the test tree.
+Standard library only.
 """
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+# The wrapper scripts/setup.sh writes into the venv (library paths, backend directory): the venv that runs
+# this code is the one whose tritonserver we start.
+TRITONSERVER = Path(sys.prefix) / "bin" / "tritonserver"
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "triton_python_backend_shm_region_"
 STUB_NAME = "triton_python_backend_stub"

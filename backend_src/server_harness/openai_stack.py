@@ -1,9 +1,7 @@
-"""The real serving stack for tests and perf: a temporary model repository of `llm` models, the OpenAI
-frontend as its own process, and a direct streaming gRPC call to compare against."""
+"""The OpenAI frontend as its own process, and a direct streaming gRPC call to compare it against."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -14,33 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
-from triton_server import free_ports
-
-ROOT = Path(__file__).resolve().parent.parent
-LLM_DIR = ROOT / "model_repository" / "llm"
-
-
-def make_model_repository(dest: Path, models: dict[str, dict[str, Any]]) -> Path:
-    """One copy of model_repository/llm per entry: name -> {config parameter: value}. The model.py is a
-    symlink (it finds backend_src through it); only parameters the config already has may be overridden,
-    so a typo fails here rather than as a load error inside the server."""
-    template = (LLM_DIR / "config.pbtxt").read_text()
-    for name, overrides in models.items():
-        cfg = re.sub(r'^name: "llm"', f'name: "{name}"', template, count=1, flags=re.M)
-        for key, value in overrides.items():
-            pattern = rf'(key: "{re.escape(key)}"\s*value: \{{ string_value: ")[^"]*(")'
-            cfg, n = re.subn(pattern, rf"\g<1>{value}\g<2>", cfg)
-            if n != 1:
-                raise KeyError(f"config.pbtxt has no parameter {key!r} to override")
-        (dest / name / "1").mkdir(parents=True, exist_ok=True)
-        (dest / name / "config.pbtxt").write_text(cfg)
-        link = dest / name / "1" / "model.py"
-        if not link.exists():
-            link.symlink_to(LLM_DIR / "1" / "model.py")
-    return dest
-
+from .server import free_ports
+from .stream_client import make_inputs
 
 class FrontendProcess:
     """`python -m openai_frontend` on a free loopback port, stopped by its own pid."""
@@ -58,12 +32,11 @@ class FrontendProcess:
 
     def start(self, timeout_s: float = 60.0) -> "FrontendProcess":
         self.port = free_ports(1)[0]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "backend_src")}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "openai_frontend", "--triton-grpc", self.triton_grpc, "--host", "127.0.0.1",
                  "--port", str(self.port), *self.extra_args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_path.parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,31 +67,13 @@ class FrontendProcess:
         self.stop()
 
 
-def grpc_inputs(prompt: str, values: dict[str, Any]) -> list:
-    from tritonclient.grpc import InferInput
-
-    types = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
-    inputs = []
-    for name, value in {"text_input": prompt, **values}.items():
-        if isinstance(value, (str, list)):
-            items = value if isinstance(value, list) else [value]
-            arr, wire = np.array([s.encode() for s in items], dtype=np.object_), "BYTES"
-        else:
-            wire, np_type = ("UINT64", np.uint64) if name == "seed" else types[type(value)]
-            arr = np.array([value], dtype=np_type)
-        inp = InferInput(name, list(arr.shape), wire)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    return inputs
-
-
 async def grpc_stream(url: str, model: str, prompt: str, **values: Any) -> tuple[list[str], dict[str, Any]]:
     """The direct path: one streaming gRPC request. Returns (text deltas, final response's extra outputs)."""
     from tritonclient.grpc.aio import InferenceServerClient
 
     values = {"stream": True, "return_finish_reason": True, "return_num_input_tokens": True,
               "return_num_output_tokens": True, **values}
-    inputs = grpc_inputs(prompt, values)
+    inputs = make_inputs(prompt, values)
 
     async def requests():
         yield {"model_name": model, "inputs": inputs}
