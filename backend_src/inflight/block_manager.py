@@ -151,9 +151,6 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     # ---- checks -----------------------------------------------------------------------------
     def is_whole(self) -> bool:
         """True when nothing holds a block: every block free or evictable, all ref counts zero."""

@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 
 from .attention import AttentionMetadata
-from .block_manager import BlockManager
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -48,6 +47,7 @@ class StaticDecode:
         self.kv_caches = kv_caches
         self.buckets = decode_buckets(max_num_seqs)
         self.max_model_len = max_model_len
+        self.block_size = block_size
         self.device = device
         self.pin = device.type == "cuda"
         n = self.buckets[-1]
@@ -77,18 +77,19 @@ class StaticDecode:
         # the page alive until the copy is done).
         return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager):
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Fill the static buffers; returns (ids, positions, meta, sample_idx, sample_seqs) like
         ModelRunner.prepare, with ids/positions/meta padded to the bucket."""
         num = len(scheduled)
         bucket = bucket_for(num, self.buckets)
         pad = bucket - num
         ids, pos, slots, lens, tables, sample_idx, sample_seqs = [], [], [], [], [], [], []
+        bs = self.block_size
         for i, (seq, _) in enumerate(scheduled):
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(bm.slot(seq, p))
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
             tables.append(seq.block_table)
             if p + 1 == len(seq):

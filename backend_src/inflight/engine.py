@@ -18,6 +18,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Sequence,
                        SequenceStatus)
+from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self._decode_tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
         self.metrics = EngineMetrics(config.max_num_batched_tokens)
         eos = set(self.runner.model_config.eos_token_ids)
@@ -52,8 +52,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # live requests by id
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
-        self.step_timer = None  # a StepTimer while a benchmark measures phases: set_step_timer()
+        self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases: set_step_timer()
         self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """Read-only use (gauges, checks): the scheduler owns the pool and is the only one to change it."""
+        return self.scheduler.bm
 
     # ---- requests ---------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -137,14 +142,13 @@ class LLMEngine:
 
     def set_step_timer(self, timer) -> None:
         """Time each step's phases (inflight.step_timer.StepTimer); None turns it off."""
-        self.step_timer = self.runner.step_timer = timer
+        self.timer = self.runner.timer = timer or NULL_TIMER
 
     # ---- one iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        timer = self.step_timer
-        if timer is not None:
-            timer.start()
+        timer = self.timer
+        timer.start()
         sched = self.scheduler.schedule()
         for _ in sched.preempted:
             self.metrics.on_preemption()
@@ -158,27 +162,21 @@ class LLMEngine:
                 self.metrics.on_prompt_tokens(seq.num_prompt_tokens)
         if self.step_hook is not None:
             self.step_hook()
-        if timer is not None:
-            timer.lap("schedule")
-        logits, sample_seqs = self.runner.execute(sched.scheduled, self.block_manager)
-        for seq, num_new in sched.scheduled:
-            seq.num_computed_tokens += num_new
-            self.block_manager.register_full_blocks(seq)
+        timer.lap("schedule")
+        logits, sample_seqs = self.runner.execute(sched.scheduled)
+        self.scheduler.advance(sched.scheduled)
         outputs = []
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
-            if timer is not None:
-                timer.lap("sample")
+            timer.lap("sample")
             now = time.monotonic()
             for seq, token, logprob in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._on_token(seq, token, logprob, now))
-            if timer is not None:
-                timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
+            timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         self._record_prefix_stats()
         self.metrics.on_step(time.monotonic() - t0, sched.num_batched_tokens)
         self._update_gauges()
-        if timer is not None:
-            timer.end_step()
+        timer.end_step()
         return outputs
 
     def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> RequestOutput:
@@ -239,12 +237,6 @@ class LLMEngine:
             kv_cache_usage=bm.num_used_blocks / bm.num_blocks,
             kv_internal_waste=bm.internal_waste(sch.running),
         )
-
-    # ---- checks -----------------------------------------------------------------------------
-    def is_quiescent(self) -> bool:
-        """No request anywhere and the block pool whole: free == total, all ref counts 0."""
-        return not self.seqs and not self.scheduler.waiting and not self.scheduler.running and \
-            self.block_manager.is_whole()
 
 
 class EngineLoop:

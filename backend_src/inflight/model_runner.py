@@ -9,13 +9,13 @@ import torch
 
 from . import attention
 from .attention import AttentionMetadata
-from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graphs import StaticDecode
 from .kv_sizing import measure_kv_blocks
 from .model import ModelConfig, load_model
 from .model.fused_forward import fused_forward
 from .sequence import Sequence
+from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
         self.forward = self._pick_forward()
-        self.step_timer = None  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
+        self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.num_blocks = config.num_kv_blocks or (
             self._blocks_from_gpu_memory() if self.is_cuda else self._blocks_from_memory_budget())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
@@ -106,16 +106,18 @@ class ModelRunner:
         self.k_cache, self.v_cache = self._new_kv_tensors(num_blocks)
         return list(zip(self.k_cache, self.v_cache))
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager):
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Flat inputs for the batch, and the indices of the tokens whose logits are needed."""
         input_ids, positions, slots, sample_idx, sample_seqs = [], [], [], [], []
         query_lens, seq_lens = [], []
+        bs = self.config.block_size
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
+            table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(bm.slot(seq, p) for p in range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             if end == len(seq):  # the chunk reaches the newest token: this row samples
@@ -146,17 +148,15 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], bm: BlockManager):
+    def execute(self, scheduled: list[tuple[Sequence, int]]):
         """Run one forward; returns (logits [rows, vocab] float32, the sequences those rows belong to)."""
         static = self.static_decode
         if static is not None and static.fits(scheduled):
             prepare, forward = static.prepare, static.forward
         else:
             prepare, forward = self.prepare, self.forward
-        ids, pos, meta, sample_idx, sample_seqs = prepare(scheduled, bm)
-        timer = self.step_timer
-        if timer is not None:
-            timer.lap("prepare")
+        ids, pos, meta, sample_idx, sample_seqs = prepare(scheduled)
+        self.timer.lap("prepare")
         hidden = forward(ids, pos, meta, self.kv_caches)
         logits = None
         if sample_seqs:
@@ -165,6 +165,5 @@ class ModelRunner:
             else:
                 rows = hidden.index_select(0, self._to_device(sample_idx, torch.int64))
             logits = self.model.compute_logits(rows)
-        if timer is not None:
-            timer.lap("forward")
+        self.timer.lap("forward")
         return logits, sample_seqs

@@ -30,7 +30,7 @@ class SamplerOutput:
 def _is_plain_greedy(seq: Sequence) -> bool:
     """True when the row's choice is the argmax of the raw logits: nothing to process."""
     p = seq.params
-    return (p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+    return (p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and not seq.bad_word_ids
             and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens))
 
@@ -67,7 +67,7 @@ class Sampler:
             return SamplerOutput(token_ids.tolist(), _chosen_logprobs(logits, token_ids).tolist())
 
         logits = self.process(logits, seqs, eos_token_ids)
-        greedy = [i for i, seq in enumerate(seqs) if seq.params.temperature == 0.0]
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         if len(greedy) == len(seqs):
             token_ids = logits.argmax(dim=-1)
             return SamplerOutput(token_ids.tolist(), _chosen_logprobs(logits, token_ids).tolist())
@@ -81,7 +81,7 @@ class Sampler:
             ids = sub.argmax(dim=-1)
             token_ids[rows] = ids
             logprobs[rows] = _chosen_logprobs(sub, ids)
-            sampled = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0.0]
+            sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
             rows = torch.tensor(sampled, device=device)
             ids, lps = self._sample(logits.index_select(0, rows), [seqs[i] for i in sampled])
             token_ids[rows] = ids

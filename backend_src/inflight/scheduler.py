@@ -24,14 +24,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    """Owns the queues and the block manager: every block is allocated, shared and freed through here."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int):
         self.config = config
-        self.bm = block_manager
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
-        self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self.watermark_blocks = int(config.watermark * num_blocks)
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -53,6 +55,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After the forward: the scheduled tokens' KV is in the cache, and blocks it filled become shareable."""
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.bm.register_full_blocks(seq)
 
     # ---- the decision -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

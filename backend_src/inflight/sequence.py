@@ -166,10 +166,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
-    @property
     def is_prefilling(self) -> bool:
         """True while more than the one newest token still lacks KV (prompt or recompute after preemption)."""
         return self.num_uncomputed_tokens > 1

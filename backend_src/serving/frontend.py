@@ -180,13 +180,6 @@ class InflightFrontend:
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
         """Engine thread. Hands outputs to the sender thread: the engine must not wait on client IPC."""
         self._outbox.put(outs)
-        if any(o.finished for o in outs):
-            # Engine gap: an abort applied between steps frees blocks without refreshing the gauges, and
-            # an idle loop takes no further step, so KV gauges would stay stale. We are on the engine
-            # thread here, where refreshing them is safe.
-            refresh = getattr(self.engine, "_update_gauges", None)
-            if refresh is not None:
-                refresh()
 
     def _send_loop(self) -> None:
         while True:

@@ -91,7 +91,7 @@ def test_mixed_batch_logits_equal_each_alone():
             engine.block_manager.admit(seq)
             engine.block_manager.allocate(seq, len(seq))
             seqs.append(seq)
-        logits, _ = engine.runner.execute([(s, len(s)) for s in seqs], engine.block_manager)
+        logits, _ = engine.runner.execute([(s, len(s)) for s in seqs])
         for s in seqs:
             engine.block_manager.free(s)
         return logits

@@ -23,8 +23,8 @@ def simulate(requests, num_blocks, budget, max_seqs, block_size, prefix_caching,
                        max_num_seqs=max_seqs, max_model_len=4096 if chunked else budget,
                        enable_prefix_caching=prefix_caching,
                        enable_chunked_prefill=chunked)
-    bm = BlockManager(num_blocks, block_size, prefix_caching)
-    sched = Scheduler(cfg, bm)
+    sched = Scheduler(cfg, num_blocks)
+    bm = sched.bm
     rng = random.Random(seed)
     pending = sorted(enumerate(requests), key=lambda x: x[1][3])
     live, done, rejected = {}, set(), set()
@@ -50,8 +50,8 @@ def simulate(requests, num_blocks, budget, max_seqs, block_size, prefix_caching,
             assert n >= 1 and seq.status == SequenceStatus.RUNNING
             assert seq.num_computed_tokens + n <= len(seq)
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-            bm.register_full_blocks(seq)
+        sched.advance(out.scheduled)
+        for seq, _ in out.scheduled:
             if seq.num_computed_tokens == len(seq):
                 seq.append_token(rng.randrange(50_000))
                 if seq.num_output_tokens >= seq.max_tokens:
@@ -94,8 +94,7 @@ def test_tight_pool_preempts_and_still_finishes_everything():
 def test_preempted_request_returns_to_front_and_no_admission_in_that_step():
     cfg = EngineConfig(block_size=4, num_kv_blocks=4, max_num_batched_tokens=64, max_num_seqs=8,
                        enable_prefix_caching=False, watermark=0.0)
-    bm = BlockManager(4, 4, False)
-    sched = Scheduler(cfg, bm)
+    sched = Scheduler(cfg, 4)
     a = Sequence("a", list(range(8)), SamplingParams(max_tokens=9), 9)
     b = Sequence("b", list(range(8)), SamplingParams(max_tokens=9), 9)
     sched.add(a)
@@ -117,7 +116,7 @@ def test_preempted_request_returns_to_front_and_no_admission_in_that_step():
 def test_lower_priority_value_is_served_first_and_preempted_last():
     cfg = EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=8,
                        fast_lane_share=0.0, fast_lane_max_prompt_tokens=0)
-    sched = Scheduler(cfg, BlockManager(64, 4, False))
+    sched = Scheduler(cfg, 64)
     low = Sequence("low", list(range(8)), SamplingParams(max_tokens=100), 100, priority=5)
     high = Sequence("high", list(range(8)), SamplingParams(max_tokens=100), 100, priority=0)
     sched.add(low)
@@ -129,8 +128,7 @@ def test_lower_priority_value_is_served_first_and_preempted_last():
 def test_waiting_request_that_does_not_fit_does_not_block_later_ones():
     cfg = EngineConfig(block_size=4, num_kv_blocks=10, max_num_batched_tokens=64, max_num_seqs=8, watermark=0.0,
                        enable_prefix_caching=False)
-    bm = BlockManager(10, 4, False)
-    sched = Scheduler(cfg, bm)
+    sched = Scheduler(cfg, 10)
     holder = Sequence("holder", list(range(20)), SamplingParams(max_tokens=4), 4)
     sched.add(holder)
     sched.schedule()  # takes 5 blocks
@@ -145,7 +143,7 @@ def test_waiting_request_that_does_not_fit_does_not_block_later_ones():
 
 def test_long_prompt_is_chunked_under_the_budget():
     cfg = EngineConfig(block_size=16, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=8)
-    sched = Scheduler(cfg, BlockManager(64, 16, True))
+    sched = Scheduler(cfg, 64)
     seq = Sequence("long", list(range(100)), SamplingParams(max_tokens=2), 2)
     sched.add(seq)
     chunks = []
@@ -160,7 +158,7 @@ def test_long_prompt_is_chunked_under_the_budget():
 def test_fast_lane_keeps_its_share_while_normal_requests_wait():
     cfg = EngineConfig(block_size=16, num_kv_blocks=256, max_num_batched_tokens=100, max_num_seqs=64,
                        fast_lane_share=0.25, fast_lane_max_prompt_tokens=16, fast_lane_max_tokens=8)
-    sched = Scheduler(cfg, BlockManager(256, 16, False))
+    sched = Scheduler(cfg, 256)
     for i in range(3):
         sched.add(Sequence(f"normal{i}", list(range(200)), SamplingParams(max_tokens=50), 50))
     for i in range(4):

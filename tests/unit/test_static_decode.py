@@ -64,8 +64,8 @@ def _run(static: bool):
         runner.enable_static_decode(capture=False)
         prepare = runner.static_decode.prepare
 
-        def recording_prepare(scheduled, bm):
-            out = prepare(scheduled, bm)
+        def recording_prepare(scheduled):
+            out = prepare(scheduled)
             padded.append((len(scheduled), out[0].shape[0]))
             return out
         runner.static_decode.prepare = recording_prepare
