@@ -18,13 +18,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from server_harness.openai_stack import FrontendProcess, grpc_generate, scrape
 from engine_helpers import MODEL_REPOSITORY
-from server_harness.repository import make_model_repository
-from engine_helpers import ROOT
-from server_harness.server import TritonServer, free_ports
 from serve_script import serve_script
+from server_harness.openai_stack import FrontendProcess, grpc_generate, scrape
+from server_harness.repository import make_model_repository
+from server_harness.server import TritonServer, free_ports
 
+ROOT = MODEL_REPOSITORY.parent
 TINY = ROOT / "models" / "tiny-llama"
 SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
 DEFAULT_MAX_TOKENS = 40  # set on `tiny`; OpenAI's legacy default would be 16
