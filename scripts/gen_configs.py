@@ -4,6 +4,7 @@ the output list (serving.contract.OUTPUTS), so a field is declared in one place:
   model_repository/llm/config.pbtxt             its input and output sections (between the markers)
   model_repository/llm_dynamic/config.pbtxt     its output section (the public outputs + output_ids)
   model_repository/preprocessing/config.pbtxt   whole (contract in, the internal interface out)
+  model_repository/postprocessing/config.pbtxt  whole (llm_dynamic's responses in, the public outputs out)
   model_repository/llm_ensemble/config.pbtxt    whole (the dynamic-batcher arm under its own name)
   model_repository/llm/configs/dynamic.pbtxt    whole (the same ensemble served as `llm`: the config swap)
 
@@ -68,6 +69,18 @@ def preprocessing() -> str:
             + 'parameters { key: "max_prompt_bytes" value: { string_value: "1048576" } }\n')
 
 
+def postprocessing() -> str:
+    inputs = [_tensor(name, t, [1, *dims], optional=name not in ("output_ids", "text_output"))
+              for name, t, dims in ENGINE_OUTPUTS]
+    return (HEADER + "# Ensemble step 3 of the dynamic-batcher arm: one call per llm_dynamic response (stateless),\n"
+            "# checking the response and passing the public outputs on. The text arrives already detokenized\n"
+            "# incrementally by the engine: a stateless step could not render a lone token (its leading space,\n"
+            "# a split UTF-8 character).\n"
+            'name: "postprocessing"\nbackend: "python"\nmax_batch_size: 0\n\n'
+            + _block("input", inputs) + public_outputs()
+            + "\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n")
+
+
 def ensemble(name: str, why: str) -> str:
     engine_outputs = [n for n, _, _ in ENGINE_OUTPUTS]
     steps = [
@@ -101,6 +114,7 @@ def targets() -> dict[Path, str]:
         REPO / "llm_dynamic" / "config.pbtxt": splice(
             REPO / "llm_dynamic" / "config.pbtxt", _block("output", [_tensor(*t) for t in ENGINE_OUTPUTS])),
         REPO / "preprocessing" / "config.pbtxt": preprocessing(),
+        REPO / "postprocessing" / "config.pbtxt": postprocessing(),
         REPO / "llm_ensemble" / "config.pbtxt": ensemble("llm_ensemble", (
             "# The dynamic-batcher arm, TensorRT-LLM's shape: preprocessing -> llm_dynamic -> postprocessing.\n"
             "# Same request contract as `llm`: clients only change the model name.\n")),
