@@ -25,7 +25,7 @@ import ab_workloads
 from ab_metrics import load_profile, summarize
 from ab_report import Cell, WorkloadInfo, plot, read_csv, write_csv, write_markdown
 
-from server_harness.repository import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository
+from server_harness.repository import DYNAMIC_MODEL, INFLIGHT_MODEL, build_repository, load_config
 from server_harness.server import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +158,6 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
 
 
 def _batcher_line(repo: Path) -> str:
-    from ab_repo import load_config
     config = load_config(repo / "llm_dynamic" / "config.pbtxt")
     batcher = config.dynamic_batching
     return (f"max_batch_size {config.max_batch_size}, preferred {list(batcher.preferred_batch_size)}, "
@@ -172,6 +171,72 @@ def describe(cell: Cell, seconds: float) -> str:
     extra = f", mean batch {cell.mean_batch:.1f}" if cell.arm == "dynamic" else f", {cell.step_summary}"
     return (f"{s.tokens_per_s:.1f} tok/s, {s.requests_per_s:.2f} req/s, TTFT p50/p99 {s.ttft_p50_ms:.0f}/"
             f"{s.ttft_p99_ms:.0f} ms, ITL p50 {s.itl_p50_ms:.1f} ms{extra} ({seconds:.0f} s)")
+
+
+def build_workloads(plan: Plan, tokenizer, fixed_requests: int | None) -> dict[str, ab_workloads.Workload]:
+    """Each workload once, as many requests as its largest cell needs (smaller cells take a prefix)."""
+    workloads = {}
+    for w, concs in plan.sweep:
+        largest = max(plan.num_requests(c, fixed_requests) for c in concs)
+        workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, largest)
+    return workloads
+
+
+def run_sweep(server: TritonServer, plan: Plan, workloads: dict, tokenizer, args, work: Path) -> list[Cell]:
+    """A warm-up pair, then every (workload, concurrency) cell of the plan on both arms."""
+    warm = ab_workloads.build("short_short", tokenizer, plan.scale, 4)
+    warm.requests = [ab_workloads.Request(r.prompt, 4) for r in warm.requests]
+    run_pair(server, warm, 2, 4, 1, 0, work, plan.cell_timeout_s)  # first calls pay for lazy initialisation
+    cells: list[Cell] = []
+    total = sum(len(c) for _, c in plan.sweep)
+    done = 0
+    for w, concs in plan.sweep:
+        for concurrency in concs:
+            n = plan.num_requests(concurrency, args.requests)
+            rounds = max(1, min(args.rounds, n // max(1, concurrency)))  # a round keeps every client busy
+            t0 = time.monotonic()
+            pair = run_pair(server, workloads[w], concurrency, n, rounds, done, work, plan.cell_timeout_s)
+            cells += pair.values()
+            done += 1
+            for arm, cell in pair.items():
+                print(f"[ab] {done}/{total} {w} c={concurrency} n={n} x{rounds} {arm}: "
+                      f"{describe(cell, time.monotonic() - t0)}", flush=True)
+    return cells
+
+
+def run_genai_checks(server: TritonServer, plan: Plan, tokenizer, work: Path) -> list[dict]:
+    """genai-perf on both arms: an independent count of tokens (it re-tokenizes the text) and latencies."""
+    genai = []
+    for concurrency, n in plan.genai:
+        lengths = ab_workloads.build("mixed", tokenizer, plan.scale, 4).output_lengths
+        mean = round(sum(lengths) / len(lengths))
+        std = round((sum((x - mean) ** 2 for x in lengths) / len(lengths)) ** 0.5)
+        for arm, model in ARM_MODELS.items():
+            t0 = time.monotonic()
+            entry = {"arm": arm, "model": model, "concurrency": concurrency, "requests": n,
+                     "input_tokens": 32, "output_mean": mean, "output_stddev": std}
+            for attempt in (1, 2):  # its perf_analyzer now and then leaves an empty export behind
+                try:
+                    s = entry["stats"] = ab_tools.genai_perf(model, server.grpc_url, plan.model, concurrency, n, 32,
+                                                             mean, std, work / f"genai-{arm}-{attempt}",
+                                                             plan.cell_timeout_s)
+                    print(f"[ab] genai-perf {arm} c={concurrency}: {s.tokens_per_s:.1f} tok/s, TTFT p99 "
+                          f"{s.ttft_p99_ms:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+                    entry.pop("error", None)
+                    break
+                except (ab_tools.ToolError, KeyError, ValueError, OSError) as e:
+                    entry["error"] = str(e)
+                    print(f"[ab] genai-perf {arm} attempt {attempt} FAILED: {str(e).splitlines()[0]}", flush=True)
+            genai.append(entry)
+    return genai
+
+
+def write_results(out_dir: Path, cells: list[Cell], genai: list[dict], workloads: dict, meta: dict) -> None:
+    infos = {w: WorkloadInfo(w, wl.description, wl.prompt_tokens, wl.prefix_tokens, wl.output_lengths, wl.ceiling)
+             for w, wl in workloads.items()}
+    write_csv(cells, infos, out_dir / "results.csv")
+    plots = plot(cells, list(infos), out_dir)
+    write_markdown(cells, infos, genai, meta, plots, out_dir / "report.md")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,64 +258,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer  # after argument errors: this import takes seconds
     tokenizer = AutoTokenizer.from_pretrained(plan.model)
-    workloads = {}
-    for w, concs in plan.sweep:
-        largest = max(plan.num_requests(c, args.requests) for c in concs)
-        workloads[w] = ab_workloads.build(w, tokenizer, plan.scale, largest)
-
+    workloads = build_workloads(plan, tokenizer, args.requests)
     repo = build_repository(args.source.resolve(), work / "model_repository", plan.engine_params,
                             max_queue_delay_us=args.queue_delay_us)
     env = {"OMP_NUM_THREADS": str(plan.torch_threads)} if plan.torch_threads else {}
-    cells: list[Cell] = []
-    genai: list[dict] = []
     server = TritonServer(repo, log_path=work / "server.log", startup_timeout_s=900, env=env)
     print(f"[ab] starting tritonserver (log {server.log_path})", flush=True)
     with server:
         print(f"[ab] server ready in {time.monotonic() - t_start:.0f} s at {server.grpc_url}", flush=True)
-        warm = ab_workloads.build("short_short", tokenizer, plan.scale, 4)
-        warm.requests = [ab_workloads.Request(r.prompt, 4) for r in warm.requests]
-        run_pair(server, warm, 2, 4, 1, 0, work, plan.cell_timeout_s)  # first calls pay for lazy initialisation
-        total = sum(len(c) for _, c in plan.sweep)
-        done = 0
-        for w, concs in plan.sweep:
-            for concurrency in concs:
-                n = plan.num_requests(concurrency, args.requests)
-                rounds = max(1, min(args.rounds, n // max(1, concurrency)))  # a round keeps every client busy
-                t0 = time.monotonic()
-                pair = run_pair(server, workloads[w], concurrency, n, rounds, done, work, plan.cell_timeout_s)
-                cells += pair.values()
-                done += 1
-                seconds = time.monotonic() - t0
-                for arm, cell in pair.items():
-                    print(f"[ab] {done}/{total} {w} c={concurrency} n={n} x{rounds} {arm}: "
-                          f"{describe(cell, seconds)}", flush=True)
-        for concurrency, n in plan.genai:
-            mixed = ab_workloads.build("mixed", tokenizer, plan.scale, 4)
-            lengths = mixed.output_lengths
-            mean = round(sum(lengths) / len(lengths))
-            std = round((sum((x - mean) ** 2 for x in lengths) / len(lengths)) ** 0.5)
-            for arm, model in ARM_MODELS.items():
-                t0 = time.monotonic()
-                entry = {"arm": arm, "model": model, "concurrency": concurrency, "requests": n,
-                         "input_tokens": 32, "output_mean": mean, "output_stddev": std}
-                for attempt in (1, 2):  # its perf_analyzer now and then leaves an empty export behind
-                    try:
-                        entry["stats"] = ab_tools.genai_perf(model, server.grpc_url, plan.model, concurrency, n, 32,
-                                                             mean, std, work / f"genai-{arm}-{attempt}",
-                                                             plan.cell_timeout_s)
-                        s = entry["stats"]
-                        print(f"[ab] genai-perf {arm} c={concurrency}: {s.tokens_per_s:.1f} tok/s, TTFT p99 "
-                              f"{s.ttft_p99_ms:.0f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
-                        entry.pop("error", None)
-                        break
-                    except (ab_tools.ToolError, KeyError, ValueError, OSError) as e:
-                        entry["error"] = str(e)
-                        print(f"[ab] genai-perf {arm} attempt {attempt} FAILED: {str(e).splitlines()[0]}", flush=True)
-                genai.append(entry)
+        cells = run_sweep(server, plan, workloads, tokenizer, args, work)
+        genai = run_genai_checks(server, plan, tokenizer, work)
     leftovers = server.leftovers()
 
-    infos = {w: WorkloadInfo(w, wl.description, wl.prompt_tokens, wl.prefix_tokens, wl.output_lengths, wl.ceiling)
-             for w, wl in workloads.items()}
     meta = {
         "name": name, "date (UTC)": stamp,
         "mode": mode + (" preset, custom sweep" if args.workloads or args.concurrency else ""),
@@ -263,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "perf/ab_harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "server leftovers": "; ".join(leftovers) or "none",
     }
-    write_csv(cells, infos, out_dir / "results.csv")
-    plots = plot(cells, list(infos), out_dir)
-    write_markdown(cells, infos, genai, meta, plots, out_dir / "report.md")
+    write_results(out_dir, cells, genai, workloads, meta)
     if args.keep_raw:
         shutil.copytree(work, out_dir / "raw", dirs_exist_ok=True, ignore=shutil.ignore_patterns("model_repository"))
     # A failed cross-check is in the report; only failed perf_analyzer cells fail the run.

@@ -89,7 +89,54 @@ def read_csv(path: Path) -> list[Cell]:
     return cells
 
 
+_STYLE = {"inflight": ("tab:blue", "o", "in-flight (llm)"), "dynamic": ("tab:orange", "s", "dynamic (llm_ensemble)")}
+_LATENCIES = [("ttft", "TTFT (ms)"), ("itl", "inter-token latency (ms)"), ("e2e", "end-to-end latency (ms)")]
+
+
+def _series(cells: list[Cell], workload: str, arm: str, attr: str) -> tuple[list[int], list[float]]:
+    pts = sorted((c.concurrency, getattr(c.stats, attr)) for c in cells
+                 if c.workload == workload and c.arm == arm and c.stats)
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _draw_throughput(ax, cells: list[Cell], w: str, _col: int) -> None:
+    for arm in ARMS:
+        color, marker, label = _STYLE[arm]
+        ax.plot(*_series(cells, w, arm, "tokens_per_s"), color=color, marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set(title=w, xlabel="concurrency", ylabel="output tokens/s")
+
+
+def _draw_latency(ax, cells: list[Cell], w: str, col: int) -> None:
+    metric, title = _LATENCIES[col]
+    for arm in ARMS:
+        color, marker, label = _STYLE[arm]
+        for q, ls, face in (("p50", "--", "none"), ("p99", "-", color)):  # hollow markers for p50
+            ax.plot(*_series(cells, w, arm, f"{metric}_{q}_ms"), color=color, marker=marker, linestyle=ls,
+                    markerfacecolor=face, label=f"{label} {q}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{w}: {title}", fontsize=9)
+    ax.set_xlabel("concurrency")
+
+
+def _draw_tradeoff(ax, cells: list[Cell], w: str, _col: int) -> None:
+    for arm in ARMS:
+        color, marker, label = _STYLE[arm]
+        pts = sorted((c.stats.tokens_per_s, c.stats.ttft_p99_ms, c.concurrency) for c in cells
+                     if c.workload == w and c.arm == arm and c.stats)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label=label)
+        for x, y, n in pts:
+            ax.annotate(str(n), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set_yscale("log")
+    ax.set_xlim(left=0)
+    ax.set_title(f"{w}: p99 TTFT vs throughput", fontsize=9)
+    ax.set(xlabel="output tokens/s", ylabel="p99 TTFT (ms)")
+
+
 def plot(cells: list[Cell], workloads: list[str], out_dir: Path) -> list[str]:
+    """Three figures, one row per workload where a figure has several panels per workload."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,69 +144,23 @@ def plot(cells: list[Cell], workloads: list[str], out_dir: Path) -> list[str]:
     names = [w for w in workloads if any(c.workload == w and c.stats for c in cells)]
     if not names:
         return []
-    style = {"inflight": ("tab:blue", "o", "in-flight (llm)"), "dynamic": ("tab:orange", "s", "dynamic (llm_ensemble)")}
-
-    def series(w, arm, attr):
-        pts = sorted((c.concurrency, getattr(c.stats, attr)) for c in cells
-                     if c.workload == w and c.arm == arm and c.stats)
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    files = []
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
-    for ax, w in zip(axes[0], names):
-        for arm in ARMS:
-            color, marker, label = style[arm]
-            ax.plot(*series(w, arm, "tokens_per_s"), color=color, marker=marker, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set_title(w)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel("output tokens/s")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "throughput_vs_concurrency.png", dpi=110)
-    plt.close(fig)
-    files.append("throughput_vs_concurrency.png")
-
-    metrics = [("ttft", "TTFT (ms)"), ("itl", "inter-token latency (ms)"), ("e2e", "end-to-end latency (ms)")]
-    fig, axes = plt.subplots(len(names), len(metrics), figsize=(12, 3.2 * len(names)), squeeze=False)
-    for row, w in zip(axes, names):
-        for ax, (m, title) in zip(row, metrics):
-            for arm in ARMS:
-                color, marker, label = style[arm]
-                for q, ls, face in (("p50", "--", "none"), ("p99", "-", color)):
-                    ax.plot(*series(w, arm, f"{m}_{q}_ms"), color=color, marker=marker, linestyle=ls,
-                            markerfacecolor=face, label=f"{label} {q}")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{w}: {title}", fontsize=9)
-            ax.set_xlabel("concurrency")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_percentiles.png", dpi=110)
-    plt.close(fig)
-    files.append("latency_percentiles.png")
-
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
-    for ax, w in zip(axes[0], names):
-        for arm in ARMS:
-            color, marker, label = style[arm]
-            pts = sorted((c.stats.tokens_per_s, c.stats.ttft_p99_ms, c.concurrency) for c in cells
-                         if c.workload == w and c.arm == arm and c.stats)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label=label)
-            for x, y, n in pts:
-                ax.annotate(str(n), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
-        ax.set_yscale("log")
-        ax.set_xlim(left=0)
-        ax.set_title(f"{w}: p99 TTFT vs throughput", fontsize=9)
-        ax.set_xlabel("output tokens/s")
-        ax.set_ylabel("p99 TTFT (ms)")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_vs_throughput.png", dpi=110)
-    plt.close(fig)
-    files.append("latency_vs_throughput.png")
-    return files
+    n = len(names)
+    figures = [  # file, workloads as rows (else as columns), columns, figure size, draw(ax, cells, w, column)
+        ("throughput_vs_concurrency.png", False, n, (4.2 * n, 3.6), _draw_throughput),
+        ("latency_percentiles.png", True, len(_LATENCIES), (12, 3.2 * n), _draw_latency),
+        ("latency_vs_throughput.png", False, n, (4.2 * n, 3.6), _draw_tradeoff),
+    ]
+    for filename, by_row, cols, size, draw in figures:
+        rows = n if by_row else 1
+        fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+        for r in range(rows):
+            for c in range(cols):
+                draw(axes[r][c], cells, names[r] if by_row else names[c], c if by_row else 0)
+        axes[0][0].legend(fontsize=7 if by_row else 8)
+        fig.tight_layout()
+        fig.savefig(out_dir / filename, dpi=110)
+        plt.close(fig)
+    return [f[0] for f in figures]
 
 
 def write_markdown(cells: list[Cell], workloads: dict[str, WorkloadInfo], genai: list[dict], meta: dict,

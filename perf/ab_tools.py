@@ -7,8 +7,9 @@ import os
 import re
 import subprocess
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
+
+from ab_metrics import CellStats
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -50,22 +51,11 @@ def perf_analyzer(model: str, grpc_url: str, input_data: Path, concurrency: int,
          timeout_s, export_path.with_suffix(".log"))
 
 
-@dataclass
-class GenaiPerfStats:
-    tokens_per_s: float
-    requests_per_s: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    e2e_p99_ms: float
-    output_len_mean: float
-
-
 def genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, concurrency: int, request_count: int,
                input_tokens: int, output_mean: int, output_stddev: int, artifact_dir: Path,
-               timeout_s: float) -> GenaiPerfStats:
-    """genai-perf 0.0.16 on Triton (kserve, vllm-style inputs), synthetic prompts, ignore_eos."""
+               timeout_s: float) -> CellStats:
+    """genai-perf 0.0.16 on Triton (kserve, vllm-style inputs), synthetic prompts, ignore_eos. Its figures in
+    our stats type; it reports no error count or window, so those are 0 and NaN."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     _run([str(GENAI_PERF), "profile", "-m", model, "--backend", "vllm", "--streaming", "-u", grpc_url,
           "--tokenizer", str(tokenizer_dir), "--synthetic-input-tokens-mean", str(input_tokens),
@@ -80,11 +70,13 @@ def genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, concurrency: int,
     if not found:
         raise ToolError(f"genai-perf wrote no profile_export_genai_perf.json under {artifact_dir}")
     m = json.loads(found[0].read_text())
-    return GenaiPerfStats(
+    return CellStats(
+        num_requests=request_count, num_errors=0,
+        output_tokens=round(m["output_sequence_length"]["avg"] * request_count), window_s=float("nan"),
         tokens_per_s=m["output_token_throughput"]["avg"], requests_per_s=m["request_throughput"]["avg"],
         ttft_p50_ms=m["time_to_first_token"]["p50"], ttft_p99_ms=m["time_to_first_token"]["p99"],
         itl_p50_ms=m["inter_token_latency"]["p50"], itl_p99_ms=m["inter_token_latency"]["p99"],
-        e2e_p99_ms=m["request_latency"]["p99"], output_len_mean=m["output_sequence_length"]["avg"])
+        e2e_p50_ms=m["request_latency"]["p50"], e2e_p99_ms=m["request_latency"]["p99"])
 
 
 _BATCH_LINE = re.compile(r'^llm_dynamic_batches_total\{[^}]*batch_size="(\d+)"[^}]*\}\s+([0-9.e+]+)$')

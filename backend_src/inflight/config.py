@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .fields import parse_bool
+
 
 @dataclass
 class EngineConfig:
@@ -31,6 +33,7 @@ class EngineConfig:
     fast_lane_max_tokens: int = 32  # "small" max_tokens for the fast lane
     watermark: float = 0.02  # fraction of blocks kept free at admission, against thrashing
     max_queue_size: int = 256  # waiting requests beyond this are refused (Triton glue)
+    max_prompt_bytes: int = 1 << 20  # prompt text beyond this is refused before tokenizing (see prompt.py)
     default_max_tokens: int = 256
     seed: int = 0
 
@@ -46,6 +49,7 @@ class EngineConfig:
             ("num_kv_blocks", self.num_kv_blocks, 0, 1 << 30),
             ("max_queue_size", self.max_queue_size, 1, 1 << 30),
             ("default_max_tokens", self.default_max_tokens, 1, 1 << 24),
+            ("max_prompt_bytes", self.max_prompt_bytes, 1, 1 << 40),
         ]
         for name, value, lo, hi in checks:
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -83,12 +87,10 @@ def _convert(name: str, raw, kind: type):
     text = raw.strip()
     try:
         if kind is bool:
-            lowered = text.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
+            flag = parse_bool(text)
+            if flag is None:
+                raise ValueError
+            return flag
         if kind is int:
             return int(text)
         if kind is float:

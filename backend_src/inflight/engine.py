@@ -12,12 +12,13 @@ from transformers import AutoTokenizer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .fields import BY_NAME, InvalidRequestError
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
+from .prompt import PromptEncoder
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .sequence import (FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Sequence,
-                       SequenceStatus)
+from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,12 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
-        self.metrics = EngineMetrics(config.max_num_batched_tokens)
+        self.metrics = EngineMetrics(config.max_num_batched_tokens, config.max_num_seqs)
         eos = set(self.runner.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        # No prompt that fits max_model_len tokens is longer than max_model_len of the longest token (x2 for
-        # normalizers that drop characters): longer text is refused before it costs a tokenizer pass.
-        self.max_token_bytes = max(len(self.tokenizer.decode([i]).encode("utf-8")) for i in range(len(self.tokenizer)))
-        self.max_prompt_bytes = 2 * config.max_model_len * self.max_token_bytes
+        self.prompts = PromptEncoder(self.tokenizer, config.max_model_len, config.max_prompt_bytes)
         self.seqs: dict[str, Sequence] = {}  # live requests by id
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
@@ -65,17 +63,9 @@ class LLMEngine:
                       priority: int = 0, arrival_time: float | None = None) -> Sequence:
         """Validate and tokenize; thread-safe (touches no engine state). Raises InvalidRequestError."""
         params = params or SamplingParams()
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
-            raise InvalidRequestError(f"priority={priority!r} is out of range: allowed a 32-bit integer")
+        priority = BY_NAME["priority"].parse(priority)
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("text_input='' is empty: allowed a prompt of at least 1 token")
-            num_bytes = len(prompt) if len(prompt) > self.max_prompt_bytes else len(prompt.encode("utf-8"))
-            if num_bytes > self.max_prompt_bytes:
-                raise InvalidRequestError(
-                    f"text_input=<{num_bytes} bytes> is out of range: allowed at most {self.max_prompt_bytes} bytes "
-                    f"(max_model_len={self.config.max_model_len} tokens of at most {self.max_token_bytes} bytes, x2)")
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = self.prompts.encode(prompt)
         else:
             prompt_ids = list(prompt)
             vocab = self.runner.model_config.vocab_size

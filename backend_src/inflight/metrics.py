@@ -88,9 +88,10 @@ class EngineMetrics:
       request_queue_time_seconds:  vllm:request_queue_time_seconds (arrival to first scheduled)
       step_time_seconds:           no vLLM equivalent (one engine step, schedule to outputs)
       tokens_per_step:             vllm:iteration_tokens_total (tokens in one forward)
+      batch_size:                  no vLLM equivalent (requests in one batch the dynamic batcher formed)
     """
 
-    def __init__(self, max_num_batched_tokens: int = 8192):
+    def __init__(self, max_num_batched_tokens: int = 8192, max_batch_size: int = 256):
         self._lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -105,6 +106,7 @@ class EngineMetrics:
             "request_queue_time_seconds": Histogram(QUEUE_TIME_BUCKETS),
             "step_time_seconds": Histogram(STEP_TIME_BUCKETS),
             "tokens_per_step": Histogram(token_buckets(max_num_batched_tokens)),
+            "batch_size": Histogram(token_buckets(max_batch_size)),
         }
         self.gauges: dict[str, float] = {name: 0 for name in GAUGE_NAMES}
         # Our own per-request marks, so the engine may set seq.first_*_time before or after calling us.
@@ -169,6 +171,11 @@ class EngineMetrics:
         with self._lock:
             self.histograms["step_time_seconds"].observe(duration_s)
             self.histograms["tokens_per_step"].observe(num_tokens)
+
+    def on_batch(self, size: int) -> None:
+        """The dynamic-batcher arm: execute() received a batch of `size` requests."""
+        with self._lock:
+            self.histograms["batch_size"].observe(size)
 
     def set_gauges(self, **values: float) -> None:
         unknown = sorted(set(values) - set(GAUGE_NAMES))

@@ -4,11 +4,9 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message names the field, the value and the allowed range."""
+from .fields import SAMPLING_FIELDS, InvalidRequestError, sampling_dataclass
 
 
 class SequenceStatus(enum.Enum):
@@ -31,28 +29,12 @@ class FinishReason(str, enum.Enum):
         return {"eos": "stop", "stop": "stop", "length": "length"}.get(self.value, self.value)
 
 
-@dataclass
+@sampling_dataclass
 class SamplingParams:
-    max_tokens: int | None = None  # None: the engine's default_max_tokens
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no limit
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    bad_words: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: bool = False
-    skip_special_tokens: bool = True
+    """How one request samples. Its fields, their defaults and allowed ranges are the sampling rows of
+    inflight.fields.FIELDS (max_tokens None: the engine's default_max_tokens; seed None: unseeded)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         self.validate()
 
     @property
@@ -60,42 +42,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        def check(name, value, ok, allowed):
-            if not ok:
-                raise InvalidRequestError(f"{name}={value!r} is out of range: allowed {allowed}")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # rejects NaN
-
-        mt = self.max_tokens
-        check("max_tokens", mt, mt is None or (is_int(mt) and mt >= 1), "an integer >= 1")
-        t = self.temperature
-        check("temperature", t, is_num(t) and 0.0 <= t <= 100.0, "a number in [0, 100]")
-        p = self.top_p
-        check("top_p", p, is_num(p) and 0.0 < p <= 1.0, "a number in (0, 1]")
-        k = self.top_k
-        check("top_k", k, is_int(k) and k >= -1, "an integer >= -1 (-1 or 0: no limit)")
-        mp = self.min_p
-        check("min_p", mp, is_num(mp) and 0.0 <= mp <= 1.0, "a number in [0, 1]")
-        rp = self.repetition_penalty
-        check("repetition_penalty", rp, is_num(rp) and 0.0 < rp <= 10.0, "a number in (0, 10]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            check(name, v, is_num(v) and -2.0 <= v <= 2.0, "a number in [-2, 2]")
-        mn = self.min_tokens
-        check("min_tokens", mn, is_int(mn) and mn >= 0, "an integer >= 0")
-        if mt is not None and mn > mt:
-            raise InvalidRequestError(f"min_tokens={mn} is out of range: allowed [0, max_tokens={mt}]")
-        s = self.seed
-        check("seed", s, s is None or (is_int(s) and 0 <= s < 2**64), "an integer in [0, 2^64)")
-        check("stop", self.stop, all(isinstance(x, str) and x for x in self.stop), "a list of non-empty strings")
-        check("bad_words", self.bad_words, all(isinstance(x, str) and x for x in self.bad_words),
-              "a list of non-empty strings")
-        check("stop_token_ids", self.stop_token_ids, all(is_int(x) and x >= 0 for x in self.stop_token_ids),
-              "a list of integers >= 0")
+        """Check every field against the table, normalising as clients send values (a lone stop string
+        becomes a list, numeric strings become numbers)."""
+        for f in SAMPLING_FIELDS:
+            setattr(self, f.name, f.parse(getattr(self, f.name)))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens={self.min_tokens} is out of range: "
+                                      f"allowed [0, max_tokens={self.max_tokens}]")
 
 
 _arrival_counter = itertools.count()

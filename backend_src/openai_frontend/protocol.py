@@ -9,22 +9,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.fields import BOOL, FIELDS, FLOAT, INT
+
 from .errors import bad_request
 
-# OpenAI field -> contract name, with the kind of value each takes. The vLLM extensions (top_k, min_p, ...)
-# are accepted too because clients send them through extra_body.
-_SAMPLING_FIELDS = {
-    "temperature": ("temperature", "number"),
-    "top_p": ("top_p", "number"),
-    "top_k": ("top_k", "integer"),
-    "min_p": ("min_p", "number"),
-    "seed": ("seed", "integer"),
-    "presence_penalty": ("presence_penalty", "number"),
-    "frequency_penalty": ("frequency_penalty", "number"),
-    "repetition_penalty": ("repetition_penalty", "number"),
-    "min_tokens": ("min_tokens", "integer"),
-    "ignore_eos": ("ignore_eos", "boolean"),
-}
+# OpenAI body key -> (contract name, the JSON type it must have), from the request schema's `openai` column.
+# The vLLM extensions (top_k, min_p, ...) are there too: clients send them through extra_body.
+_JSON_TYPES = {INT: "integer", FLOAT: "number", BOOL: "boolean"}
+_SAMPLING_FIELDS = {f.openai: (f.name, _JSON_TYPES[f.kind]) for f in FIELDS if f.openai}
 
 # Chat roles a template understands. "developer" is OpenAI's newer name for "system"; templates predate it.
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

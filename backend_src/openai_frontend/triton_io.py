@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from inflight.fields import BY_NAME
+
 from .errors import APIError, bad_request
 
 # config.pbtxt data types -> (Triton wire type, numpy type).
@@ -17,11 +19,6 @@ _DTYPES = {
     "TYPE_UINT32": ("UINT32", np.uint32), "TYPE_UINT64": ("UINT64", np.uint64),
     "TYPE_FP32": ("FP32", np.float32), "TYPE_FP64": ("FP64", np.float64), "TYPE_FP16": ("FP16", np.float16),
 }
-
-# The contract accepts both the vLLM and the TensorRT-LLM spelling of some inputs; a model may declare either.
-_ALIASES = {"max_tokens": ("max_tokens", "request_output_len"), "top_p": ("top_p", "runtime_top_p"),
-            "top_k": ("top_k", "runtime_top_k"), "min_tokens": ("min_tokens", "min_length"),
-            "stream": ("stream", "streaming")}
 
 # Outputs the frontend always asks for: the finish reason marks the final response and maps to OpenAI's
 # finish_reason; the two counts are the usage block.
@@ -91,7 +88,8 @@ def build_request(info: ModelInfo, prompt: str, sampling: dict[str, Any]) -> tup
     tensors: dict[str, np.ndarray] = {"text_input": _tensor_value("text_input", prompt, np.object_)}
     leftover: dict[str, Any] = {}
     for key, value in {**_ALWAYS, **sampling}.items():
-        name = next((n for n in _ALIASES.get(key, (key,)) if n in info.inputs), None)
+        field = BY_NAME.get(key)  # a model may declare a field under any of its input names (the schema's)
+        name = next((n for n in (field.input_names if field else (key,)) if n in info.inputs), None)
         if name is None:
             leftover[key] = value
             continue

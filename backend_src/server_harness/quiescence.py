@@ -29,7 +29,8 @@ class Endpoints(Protocol):
 
 
 def scrape(metrics_url: str, model: str) -> dict[str, float]:
-    """One model's vllm:/inflight: samples: 'name' or 'name{k=v,...}' (model/version labels dropped)."""
+    """One model's vllm:/inflight: samples: 'name' or 'name{k=v,...}' (model/version labels dropped, and the
+    instance label: a model's instances are summed)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     out = {}
@@ -41,8 +42,9 @@ def scrape(metrics_url: str, model: str) -> dict[str, float]:
         if labels.pop("model", None) != model:
             continue
         labels.pop("version", None)
+        labels.pop("instance", None)
         key = m.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
-        out[key] = float(m.group(3))
+        out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
 
 

@@ -58,6 +58,15 @@ def discover_base_url() -> str | None:
 class HealthProbe:
     """Callable: True (ready), False (not ready, or the endpoint is gone), None (no answer worth counting)."""
 
+    @classmethod
+    def for_model(cls, base_url: str | None, model: str, version: str = "") -> "HealthProbe | None":
+        """A probe of this server's own endpoint (discover_base_url()), or None, said in the log, without one."""
+        if base_url is None:
+            log.warning("no HTTP endpoint to ask whether %s is still served: requests in flight at shutdown will "
+                        "wait for --exit-timeout-secs", model)
+            return None
+        return cls(base_url, model, version)
+
     def __init__(self, base_url: str, model: str, version: str = "", timeout_s: float = 0.5):
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/ready"
         self.url = base_url + path

@@ -42,6 +42,8 @@ HISTOGRAMS = (
            "Histogram of time spent waiting before first scheduled, in seconds."),
     Export("vllm:iteration_tokens_total", "tokens_per_step", "Histogram of tokens per engine step."),
     Export("inflight:step_time_seconds", "step_time_seconds", "Histogram of engine step duration in seconds."),
+    Export("inflight:batch_size", "batch_size",
+           "Histogram of the batch sizes the dynamic batcher hands execute() (dynamic-batcher arm only)."),
 )
 COUNTERS = (
     Export("vllm:prompt_tokens_total", "prompt_tokens_total", "Number of prefill tokens processed."),

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from inflight.config import EngineConfig
-
-from .contract import ContractLimits
+from inflight.fields import RequestLimits, parse_bool
 
 DEFAULT_MODEL = "../models/SmolLM2-135M-Instruct"  # the checkout's models/, seen from model_repository/
 
@@ -17,7 +16,7 @@ DEFAULT_MODEL = "../models/SmolLM2-135M-Instruct"  # the checkout's models/, see
 @dataclass(frozen=True)
 class ServingOptions:
     engine: EngineConfig
-    limits: ContractLimits
+    limits: RequestLimits
     cancel_check_period_s: float = 0.1
     metrics_interval_s: float = 1.0
     enable_test_hooks: bool = False  # lets the `inject_fault` request parameter arm engine faults
@@ -29,7 +28,7 @@ _GLUE_INTS = {
     "metrics_interval_ms": (1000, 10, 3_600_000),
 }
 _GLUE_BOOLS = {"enable_test_hooks": False}
-_LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(ContractLimits))
+_LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 
 def flatten_triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
@@ -53,10 +52,10 @@ def _int(name: str, raw: str, lo: int, hi: int) -> int:
 
 
 def _bool(name: str, raw: str) -> bool:
-    text = str(raw).strip().lower()
-    if text not in ("true", "false", "1", "0", "yes", "no"):
+    flag = parse_bool(str(raw))
+    if flag is None:
         raise ValueError(f"parameter {name}={raw!r} is malformed: expected true or false")
-    return text in ("true", "1", "yes")
+    return flag
 
 
 def resolve_model_path(raw: str, root: Path) -> Path:
@@ -88,7 +87,7 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
         engine = EngineConfig.from_options(**engine_opts)
     except ValueError as e:
         raise ValueError(f"model parameters: {e}") from None
-    limits = ContractLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
+    limits = RequestLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
     glue = {n: _int(n, params.get(n, str(d)), lo, hi) for n, (d, lo, hi) in _GLUE_INTS.items()}
     flags = {n: _bool(n, params[n]) if n in params else d for n, d in _GLUE_BOOLS.items()}
     return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0,

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from inflight.sequence import InvalidRequestError
+from inflight.fields import InvalidRequestError
 
 PARAMETER = "inject_fault"
 _LIMITS = {"after": (1, 100_000), "ms": (1, 10_000), "steps": (1, 100_000)}

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from inflight.sequence import InvalidRequestError
-from serving.contract import INPUT_NAMES, ContractLimits, parse_request
+from inflight.fields import InvalidRequestError, RequestLimits
+from serving.contract import INPUT_NAMES, parse_request
 
 
 def text(prompt="Hello"):
@@ -33,7 +33,7 @@ def words(*ws):
     return np.array([w.encode() for w in ws], dtype=np.object_)
 
 
-def refused(inputs, parameters=None, limits=ContractLimits()):
+def refused(inputs, parameters=None, limits=RequestLimits()):
     with pytest.raises(InvalidRequestError) as info:
         parse_request(inputs, parameters, limits)
     return str(info.value)
@@ -179,11 +179,6 @@ def test_wrong_dtype_text_input():
     assert "text_input" in msg and "int32" in msg and "BYTES" in msg
 
 
-def test_empty_prompt():
-    msg = refused(text(""))
-    assert "text_input=''" in msg and "non-empty" in msg
-
-
 def test_two_prompts_in_one_request():
     msg = refused({"text_input": np.array([b"a", b"b"], dtype=np.object_)})
     assert "text_input" in msg and "[2]" in msg and "exactly one" in msg
@@ -263,29 +258,16 @@ def test_stop_true_inside_json_is_not_a_cancel():
     assert "stop=True" in msg and "string" in msg
 
 
-# ---- abuse caps, checked before any tokenizing ----------------------------------------------------
-
-def test_prompt_byte_cap():
-    limits = ContractLimits(max_prompt_bytes=10)
-    assert parse_request(text("x" * 10), limits=limits).prompt == "x" * 10
-    msg = refused(text("x" * 11), limits=limits)
-    assert "text_input" in msg and "11 bytes" in msg and "at most 10 bytes" in msg
-    # Bytes, not characters: 4 Chinese characters are 12 bytes.
-    assert "12 bytes" in refused(text("你好世界"), limits=limits)
-
-
-def test_default_prompt_cap_is_one_mib():
-    assert "at most 1048576 bytes" in refused(text("a" * ((1 << 20) + 1)))
-
+# ---- abuse caps, checked before any tokenizing (the prompt's own: tests/unit/test_prompt_caps.py) ------
 
 def test_json_size_cap():
-    limits = ContractLimits(max_json_bytes=32)
+    limits = RequestLimits(max_json_bytes=32)
     msg = refused({**text(), "sampling_parameters": sp({"stop": ["x" * 40]})}, limits=limits)
     assert "sampling_parameters" in msg and "at most 32 bytes" in msg
 
 
 def test_stop_word_count_and_size_caps():
-    limits = ContractLimits(max_stop_words=2, max_word_bytes=4)
+    limits = RequestLimits(max_stop_words=2, max_word_bytes=4)
     assert parse_request({**text(), "stop_words": words("ab", "cd")}, limits=limits).params.stop == ["ab", "cd"]
     assert "at most 2 words" in refused({**text(), "stop_words": words("a", "b", "c")}, limits=limits)
     assert "at most 4 bytes" in refused({**text(), "bad_words": words("abcde")}, limits=limits)
@@ -293,5 +275,5 @@ def test_stop_word_count_and_size_caps():
 
 
 def test_limits_validate_themselves():
-    with pytest.raises(ValueError, match="max_prompt_bytes=0"):
-        ContractLimits(max_prompt_bytes=0)
+    with pytest.raises(ValueError, match="max_json_bytes=0"):
+        RequestLimits(max_json_bytes=0)

@@ -10,8 +10,9 @@ import pytest
 from engine_helpers import TINY, assert_pool_whole
 from inflight.config import EngineConfig
 from inflight.engine import LLMEngine
-from inflight.sequence import InvalidRequestError
-from serving.frontend import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, InflightFrontend
+from inflight.fields import InvalidRequestError
+from serving.errors import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
+from serving.frontend import InflightFrontend
 from serving.test_hooks import FaultInjector, InjectedFault, parse_fault
 
 

@@ -10,8 +10,8 @@ import pytest
 from engine_helpers import TINY, assert_pool_whole
 from inflight.config import EngineConfig
 from inflight.engine import LLMEngine
-from serving.contract import ContractLimits
-from serving.frontend import CANCELLED, INVALID_ARG, UNAVAILABLE, InflightFrontend
+from serving.errors import CANCELLED, INVALID_ARG, UNAVAILABLE
+from serving.frontend import InflightFrontend
 
 
 class Sender:
@@ -63,13 +63,14 @@ def request(prompt, **fields):
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_model_len=256, max_queue_size=4))
+    return LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_model_len=256, max_queue_size=4,
+                                  max_prompt_bytes=4096))
 
 
 @pytest.fixture
 def frontend(engine):
     transport = RecordingTransport()
-    fe = InflightFrontend(engine, transport, ContractLimits(max_prompt_bytes=4096), cancel_check_period_s=0.02)
+    fe = InflightFrontend(engine, transport, cancel_check_period_s=0.02)
     fe.start()
     yield fe
     fe.close()

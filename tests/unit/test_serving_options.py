@@ -14,7 +14,7 @@ def test_defaults_point_at_smollm2_beside_the_model_repository():
     opts = parse_model_parameters({}, REPO)
     assert opts.engine.model == str(REPO / ".." / "models" / "SmolLM2-135M-Instruct")
     assert opts.engine.default_max_tokens != 16
-    assert opts.cancel_check_period_s == 0.1 and opts.limits.max_prompt_bytes == 1 << 20
+    assert opts.cancel_check_period_s == 0.1 and opts.engine.max_prompt_bytes == 1 << 20
 
 
 def test_every_kind_of_parameter_lands_where_it_belongs():
@@ -30,7 +30,7 @@ def test_every_kind_of_parameter_lands_where_it_belongs():
     assert e.block_size == 8 and e.num_kv_blocks == 32 and e.max_num_seqs == 4
     assert e.enable_prefix_caching is False and e.fast_lane_share == 0.5 and e.default_max_tokens == 20
     assert opts.cancel_check_period_s == 0.25 and opts.metrics_interval_s == 0.5
-    assert (opts.limits.max_prompt_bytes, opts.limits.max_stop_words, opts.limits.max_json_bytes) == (1000, 4, 2048)
+    assert (opts.engine.max_prompt_bytes, opts.limits.max_stop_words, opts.limits.max_json_bytes) == (1000, 4, 2048)
 
 
 def test_blank_values_mean_default():

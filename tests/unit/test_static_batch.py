@@ -2,6 +2,7 @@
 interface between the ensemble's steps. Every request gets exactly one final on every path."""
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ class RecordingTransport:
         return finals[0]
 
     def text(self, sender) -> str:
-        return "".join(o["text_delta"][0].decode() for o, _, e in self.sent[sender] if e is None)
+        return "".join(o["text_output"][0].decode() for o, _, e in self.sent[sender] if e is None)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,8 @@ def test_an_engine_fault_fails_the_batch_with_finals_and_the_next_batch_works(en
 
 def test_unloading_cancels_the_running_batch(engine):
     transport = RecordingTransport()
-    runner = StaticBatchRunner(engine, transport, is_serving=lambda: False, serving_check_period_s=0.0)
+    answers = iter([True])  # served once, then no longer: two "not ready" answers in a row mean unloading
+    runner = StaticBatchRunner(engine, transport, is_serving=lambda: next(answers, False), serving_check_period_s=0.0)
     runner.run([item(engine, "x", max_tokens=50), item(engine, "y", max_tokens=50, stream=True)])
     for name in ("x", "y"):
         error = transport.final(name)[2]
@@ -138,10 +140,10 @@ def test_optional_outputs_only_when_asked_and_the_prompt_is_echoed_once(engine):
     runner.run([item(engine, "plain", max_tokens=3, stream=True),
                 item(engine, "all", max_tokens=3, stream=True, exclude_input_in_output=False,
                      return_finish_reason=True, return_num_input_tokens=True, return_logprobs=True)])
-    assert all(set(o) == {"output_ids", "text_delta"} for o, _, _ in transport.sent["plain"])
+    assert all(set(o) == {"output_ids", "text_output"} for o, _, _ in transport.sent["plain"])
     responses = [o for o, _, _ in transport.sent["all"]]
-    assert responses[0]["text_delta"][0].decode().startswith("Hello there, how are you?")
-    assert not any(o["text_delta"][0].decode().startswith("Hello there") for o in responses[1:])
+    assert responses[0]["text_output"][0].decode().startswith("Hello there, how are you?")
+    assert not any(o["text_output"][0].decode().startswith("Hello there") for o in responses[1:])
     assert [("finish_reason" in o) for o in responses] == [False] * (len(responses) - 1) + [True]
     assert responses[-1]["finish_reason"][0] == b"length"
     assert all({"num_input_tokens", "cumulative_logprob"} <= set(o) for o in responses)
@@ -160,10 +162,11 @@ def test_request_config_round_trips_every_field():
                         {"max_tokens": "7", "temperature": 0.5, "top_k": 3, "seed": 2**63, "stream": True,
                          "exclude_input_in_output": False, "return_logprobs": True, "priority": -2,
                          "bad_words": ["x"]})
-    back = decode_request(encode_request(req))
+    back, arrival = decode_request(encode_request(req, arrival_unix=time.time() - 2.0))
     assert back == req  # including the prompt, echoed because exclude_input_in_output=False
+    assert 1.5 < time.monotonic() - arrival < 3.0  # the arrival, moved onto this process's monotonic clock
     plain = parse_request({"text_input": np.array([b"Hi"], dtype=np.object_)})
-    assert decode_request(encode_request(plain)).prompt == ""
+    assert decode_request(encode_request(plain))[0].prompt == ""
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -179,20 +182,20 @@ def test_request_config_refuses_what_preprocessing_never_sends(raw, match):
 
 def test_postprocessing_maps_to_llm_shapes_and_checks_counts():
     out = to_public_outputs({"output_ids": np.array([[5, 6]], dtype=np.int32),
-                             "text_delta": np.array([["é b".encode()]], dtype=np.object_),
+                             "text_output": np.array([["é b".encode()]], dtype=np.object_),
                              "num_output_tokens": np.array([[2]], dtype=np.uint32)})
     assert out["text_output"].shape == (1,) and out["text_output"][0] == "é b".encode()
     assert out["num_output_tokens"].tolist() == [2] and "finish_reason" not in out
     with pytest.raises(ValueError, match="num_output_tokens"):
         to_public_outputs({"output_ids": np.array([[5]], dtype=np.int32),
-                           "text_delta": np.array([[b"x"]], dtype=np.object_),
+                           "text_output": np.array([[b"x"]], dtype=np.object_),
                            "num_output_tokens": np.array([[2]], dtype=np.uint32)})
     with pytest.raises(ValueError):
         to_public_outputs({"output_ids": np.array([[5]], dtype=np.int32),
-                           "text_delta": np.array([[b"\xc3"]], dtype=np.object_)})
+                           "text_output": np.array([[b"\xc3"]], dtype=np.object_)})
 
 
-def test_generated_ensemble_configs_match_the_llm_contract():
-    done = subprocess.run([sys.executable, "scripts/gen_ensemble_configs.py", "--check"], cwd=ROOT,
+def test_generated_configs_match_the_request_schema():
+    done = subprocess.run([sys.executable, "scripts/gen_configs.py", "--check"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

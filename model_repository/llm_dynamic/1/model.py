@@ -1,62 +1,32 @@
 """Triton model `llm_dynamic`: the dynamic batcher's batch runs as one static batch to completion.
 
-Glue only: reads the internal interface (backend_src/dynamic_arm/interface.py), hands the batch to
-StaticBatchRunner (which blocks until every request has its final), records the batch sizes it saw.
+Glue only: reads the internal interface (dynamic_arm.interface), hands the batch to StaticBatchRunner (which
+blocks until every request has its final), and exports the engine's metrics like `llm` does.
 """
-import json
 import logging
-from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from dynamic_arm.interface import decode_request
 from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
 from inflight.engine import LLMEngine
-from inflight.sequence import InvalidRequestError
-from serving.errors import RequestError
-from serving.options import flatten_triton_parameters, parse_model_parameters
-
+from inflight.fields import InvalidRequestError
+from serving.health_probe import HealthProbe, discover_base_url
+from serving.lifecycle import send_error
+from serving.metrics_export import MetricsExporter
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, read_inputs,
+                                 unreadable)
 
 log = logging.getLogger("llm_dynamic")
-
-
-class _BatchedTransport:
-    """pb_utils senders; every output gets the leading batch dimension of 1 that max_batch_size > 0 asks."""
-
-    def send(self, sender, outputs, final: bool, error: RequestError | None = None) -> None:
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if error is not None:
-            code = getattr(pb_utils.TritonError, error.code, None)
-            triton_error = (pb_utils.TritonError(error.message, code) if code is not None
-                            else pb_utils.TritonError(f"{error.code}: {error.message}"))
-            response = pb_utils.InferenceResponse(output_tensors=[], error=triton_error)
-        else:
-            response = pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(name, array[None, ...]) for name, array in outputs.items()])
-        sender.send(response, flags=flags)
-
-    def is_cancelled(self, sender) -> bool:
-        return sender.is_cancelled()
-
-
-def _is_model_ready(name: str, version: str) -> bool:
-    """False once the server stops or unloads us (2.51 raises "not ready" while stopping)."""
-    try:
-        return bool(pb_utils.is_model_ready(model_name=name, model_version=version))
-    except pb_utils.TritonModelException as e:
-        if "not ready" in str(e).lower():
-            return False
-        raise
 
 
 class TritonPythonModel:
     def initialize(self, args):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        model_config = json.loads(args["model_config"])
+        model_config, options = model_options(args)
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("model_transaction_policy.decoupled=false is not allowed: "
                                                 "this model streams; set it to true")
-        options = parse_model_parameters(flatten_triton_parameters(model_config), Path(args["model_repository"]).parent)
         engine_config = options.engine
         if not engine_config.static_batching:
             raise pb_utils.TritonModelException("parameter static_batching=false is not allowed in llm_dynamic: "
@@ -66,24 +36,21 @@ class TritonPythonModel:
                         engine_config.max_num_seqs, model_config["max_batch_size"])
         log.info("loading %s with %s", engine_config.model, engine_config)
         self.engine = LLMEngine(engine_config)
-        name, version = args["model_name"], str(args["model_version"])
-        self.runner = StaticBatchRunner(self.engine, _BatchedTransport(),
-                                        is_serving=lambda: _is_model_ready(name, version))
-        # Touched only from execute (one thread): the python backend aborts on concurrent metric calls.
-        # The families are kept alive here: a Metric whose family was collected refuses to update.
-        self._labels = {"model": name, "version": version}
-        self._families = {
-            "batches": pb_utils.MetricFamily(name="llm_dynamic_batches_total", kind=pb_utils.MetricFamily.COUNTER,
-                                             description="Batches execute() received, by batch size."),
-            "requests": pb_utils.MetricFamily(name="llm_dynamic_requests_total", kind=pb_utils.MetricFamily.COUNTER,
-                                              description="Requests execute() received in batches."),
-            "largest": pb_utils.MetricFamily(name="llm_dynamic_max_batch_size_seen", kind=pb_utils.MetricFamily.GAUGE,
-                                             description="Largest batch execute() has received."),
-        }
-        self._requests = self._families["requests"].Metric(labels=self._labels)
-        self._max_seen = self._families["largest"].Metric(labels=self._labels)
-        self._by_size = {}
+        self.transport = TritonTransport(batched=True)
+        self.runner = StaticBatchRunner(
+            self.engine, self.transport,
+            is_serving=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])))
+        self.sink, self.labels = TritonMetricSink(), metric_labels(args)
+        self.exporter = MetricsExporter(self.engine.metrics.snapshot, self.sink, self.labels,
+                                        options.metrics_interval_s)
+        self.exporter.start()
+        # Exact batch sizes for the A/B harness (the engine's inflight:batch_size histogram has coarser buckets).
+        self._batches = {}
+        self._requests = self.sink.counter("llm_dynamic_requests_total", "Requests execute() received in batches.",
+                                           self.labels)
         self._largest = 0
+        self._largest_seen = self.sink.gauge("llm_dynamic_max_batch_size_seen",
+                                             "Largest batch execute() has received.", self.labels)
 
     def execute(self, requests):
         try:
@@ -94,17 +61,16 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-                config = pb_utils.get_input_tensor_by_name(request, "request_config")
-                if ids is None or config is None:
+                inputs, _ = read_inputs(request, ["input_ids", "request_config"])
+                if len(inputs) < 2:
                     raise InvalidRequestError("input_ids and request_config are required: allowed what the "
                                               "preprocessing step emits")
-                req = decode_request(config.as_numpy().reshape(-1)[0])
-                prompt_ids = [int(t) for t in ids.as_numpy().reshape(-1)]
+                req, arrival = decode_request(inputs["request_config"].reshape(-1)[0])
+                prompt_ids = [int(t) for t in inputs["input_ids"].reshape(-1)]
             except Exception as e:  # noqa: BLE001 - this request only; the rest of the batch proceeds
-                _BatchedTransport().send(sender, None, True, RequestError(f"unreadable request: {e}", "INVALID_ARG"))
+                send_error(self.transport, sender, unreadable(e))
                 continue
-            items.append(BatchItem(sender, request.request_id(), prompt_ids, req))
+            items.append(BatchItem(sender, request.request_id(), prompt_ids, req, arrival))
         try:
             stats = self.runner.run(items)
         except Exception:  # noqa: BLE001 - the runner already sent every request its final
@@ -116,15 +82,17 @@ class TritonPythonModel:
         return None
 
     def _record_batch(self, size: int) -> None:
-        metric = self._by_size.get(size)
-        if metric is None:
-            metric = self._by_size[size] = self._families["batches"].Metric(
-                labels={**self._labels, "batch_size": str(size)})
-        metric.increment(1)
+        counter = self._batches.get(size)
+        if counter is None:
+            counter = self._batches[size] = self.sink.counter(
+                "llm_dynamic_batches_total", "Batches execute() received, by batch size.",
+                {**self.labels, "batch_size": str(size)})
+        counter.increment(1)
         self._requests.increment(size)
         if size > self._largest:
             self._largest = size
-            self._max_seen.set(size)
+            self._largest_seen.set(size)
 
     def finalize(self):
-        log.info("finalize: largest batch seen %d", self._largest)
+        self.exporter.stop()
+        log.info("finalize: done")
