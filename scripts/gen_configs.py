@@ -66,7 +66,9 @@ def preprocessing() -> str:
             + "# model: the tokenizer folder, which must be the engine's (llm_dynamic's) model; relative paths\n"
             + "# resolve against the model repository\n"
             + 'parameters { key: "model" value: { string_value: "../models/SmolLM2-135M-Instruct" } }\n'
-            + 'parameters { key: "max_prompt_bytes" value: { string_value: "1048576" } }\n')
+            + 'parameters { key: "max_prompt_bytes" value: { string_value: "1048576" } }\n'
+            + "# default_exclude_input_in_output: as in llm's config (the request flags are parsed here)\n"
+            + 'parameters { key: "default_exclude_input_in_output" value: { string_value: "true" } }\n')
 
 
 def postprocessing() -> str:

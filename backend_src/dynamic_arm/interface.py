@@ -27,6 +27,7 @@ _PARAM_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 def encode_request(req: ParsedRequest, arrival_unix: float | None = None) -> bytes:
     body = {"params": dataclasses.asdict(req.params), **{name: getattr(req, name) for name in _FLAGS},
+            "logprobs_requested": req.logprobs_requested,
             "arrival_unix": time.time() if arrival_unix is None else arrival_unix}
     if not req.exclude_input_in_output:
         body["prompt"] = req.prompt
@@ -50,7 +51,7 @@ def decode_request(raw: bytes | str) -> tuple[ParsedRequest, float | None]:
         params = SamplingParams(**body["params"])
     except TypeError as e:
         raise InvalidRequestError(f"request_config params are malformed: {e}") from None
-    flags = {name: body[name] for name in _FLAGS if name in body}
+    flags = {name: body[name] for name in (*_FLAGS, "logprobs_requested") if name in body}
     arrival = body.get("arrival_unix")
     # Wall clock across processes, then onto this process's monotonic clock (what the engine measures with).
     arrival_mono = time.monotonic() - max(0.0, time.time() - arrival) if isinstance(arrival, (int, float)) else None

@@ -15,10 +15,11 @@ from .detokenizer import IncrementalDetokenizer
 from .fields import BY_NAME, InvalidRequestError
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
+from .logprobs import top_logprobs
 from .prompt import PromptEncoder
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
-        self.metrics = EngineMetrics(config.max_num_batched_tokens, config.max_num_seqs)
+        self.metrics = EngineMetrics(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
         eos = set(self.runner.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -60,12 +61,13 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                      priority: int = 0, arrival_time: float | None = None) -> Sequence:
+                      priority: int = 0, arrival_time: float | None = None,
+                      apply_chat_template: bool = False) -> Sequence:
         """Validate and tokenize; thread-safe (touches no engine state). Raises InvalidRequestError."""
         params = params or SamplingParams()
         priority = BY_NAME["priority"].parse(priority)
         if isinstance(prompt, str):
-            prompt_ids = self.prompts.encode(prompt)
+            prompt_ids = self.prompts.encode(prompt, chat=apply_chat_template)
         else:
             prompt_ids = list(prompt)
             vocab = self.runner.model_config.vocab_size
@@ -97,10 +99,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id={seq.request_id!r} is already in flight: allowed a unique id")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
+        self.metrics.on_request(seq.params.n)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
-        seq = self.make_sequence(request_id, prompt, params, priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None,
+                    apply_chat_template: bool = False) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params, priority, arrival_time, apply_chat_template)
         self.add_sequence(seq)
         return seq
 
@@ -158,10 +162,11 @@ class LLMEngine:
         outputs = []
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
+            tops = self._top_logprobs(logits, sample_seqs, sampled.token_ids)
             timer.lap("sample")
             now = time.monotonic()
-            for seq, token, logprob in zip(sample_seqs, sampled.token_ids, sampled.logprobs):
-                outputs.append(self._on_token(seq, token, logprob, now))
+            for seq, token, logprob, top in zip(sample_seqs, sampled.token_ids, sampled.logprobs, tops):
+                outputs.append(self._on_token(seq, token, logprob, top, now))
             timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         self._record_prefix_stats()
         self.metrics.on_step(time.monotonic() - t0, sched.num_batched_tokens)
@@ -169,7 +174,17 @@ class LLMEngine:
         timer.end_step()
         return outputs
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> RequestOutput:
+    def _top_logprobs(self, logits, seqs: list[Sequence], tokens: list[int]) -> list:
+        """Per row: the top-k entries (logprobs.top_logprobs) for rows that asked for logprobs, else None."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        tops: list = [None] * len(seqs)
+        if rows:
+            found = top_logprobs(logits, rows, [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+            for i, top in zip(rows, found):
+                tops[i] = top
+        return tops
+
+    def _on_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> RequestOutput:
         seq.append_token(token)
         seq.cumulative_logprob += logprob
         if seq.first_token_time is None:
@@ -179,24 +194,31 @@ class LLMEngine:
         prev_len = len(seq.output_text)
         self.detokenizer.update(seq)
         params = seq.params
+        logprobs = None
+        if top is not None:
+            # The sampled token's text is what it added to the output; the others' are decoded alone.
+            texts = {t: seq.output_text[prev_len:] if t == token else self.detokenizer.tokenizer.decode([t])
+                     for t in top}
+            logprobs = [TokenLogprobs(token, logprob, {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
         reason = None
         stop_string_matched = bool(params.stop) and self.detokenizer.find_stop(seq, prev_len)
+        eos = self.eos_token_ids if params.end_id is None else (params.end_id,)
         if stop_string_matched:
             reason = FinishReason.STOP
-        elif token in self.eos_token_ids and not params.ignore_eos:
+        elif token in eos and not params.ignore_eos:
             reason = FinishReason.EOS
         elif token in params.stop_token_ids:
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.config.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(seq, reason, now, [token], stop_string_matched)
+            return self._finish(seq, reason, now, [token], stop_string_matched, logprobs)
         return RequestOutput(seq.request_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
                              num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                             cumulative_logprob=seq.cumulative_logprob)
+                             cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float,
-                new_token_ids: list[int] | None = None, stop_string_matched: bool = False) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float, new_token_ids: list[int] | None = None,
+                stop_string_matched: bool = False, logprobs: list | None = None) -> RequestOutput:
         if not stop_string_matched:  # the text was cut at the stop string: finalize would restore it
             self.detokenizer.finalize(seq)
         seq.status = SequenceStatus.FINISHED
@@ -207,7 +229,7 @@ class LLMEngine:
         self.metrics.on_finish(seq, now)
         return RequestOutput(seq.request_id, new_token_ids or [], self.detokenizer.take_delta(seq, finished=True),
                              True, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
-                             seq.error)
+                             seq.error, logprobs)
 
     def _record_prefix_stats(self) -> None:
         bm = self.block_manager
@@ -251,14 +273,14 @@ class EngineLoop:
         return self._inbox.qsize() + self.engine.num_waiting
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, apply_chat_template: bool = False) -> None:
         """Validate here, in the caller's thread (errors go to that caller only), then hand over."""
         if self._stopping.is_set():
             raise QueueFullError("engine is shutting down")
         if self.num_waiting >= self.engine.config.max_queue_size:
             raise QueueFullError(f"queue is full: {self.num_waiting} waiting, "
                                  f"max_queue_size={self.engine.config.max_queue_size}")
-        seq = self.engine.make_sequence(request_id, prompt, params, priority)
+        seq = self.engine.make_sequence(request_id, prompt, params, priority, apply_chat_template=apply_chat_template)
         self._inbox.put(("add", seq))
 
     def abort_request(self, request_id: str) -> None:

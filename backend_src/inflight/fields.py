@@ -23,8 +23,9 @@ class InvalidRequestError(ValueError):
 
 
 # Field kinds, and the Triton data type an input tensor of each kind is declared with.
-INT, FLOAT, BOOL, WORDS, TOKEN_IDS = "int", "float", "bool", "words", "token_ids"
-_TRITON_TYPES = {INT: "TYPE_INT32", FLOAT: "TYPE_FP32", BOOL: "TYPE_BOOL", WORDS: "TYPE_STRING"}
+INT, FLOAT, BOOL, WORDS, TOKEN_IDS, FLOATS = "int", "float", "bool", "words", "token_ids", "floats"
+_TRITON_TYPES = {INT: "TYPE_INT32", FLOAT: "TYPE_FP32", BOOL: "TYPE_BOOL", WORDS: "TYPE_STRING", FLOATS: "TYPE_FP32"}
+_LISTS = (WORDS, TOKEN_IDS, FLOATS)
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -84,6 +85,9 @@ class Field:
     tensor_type: str = ""  # Triton type of those inputs; "": from the kind
     openai: str = ""  # the key in OpenAI request bodies; "": not taken from them (or mapped by hand)
     sampling: bool = True  # a SamplingParams field; False: a serving flag (serving.contract.ParsedRequest)
+    # A peer's feature we do not have: accepted only at its default (what clients send when they do not use
+    # it), refused otherwise with this reason.
+    unsupported: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -99,14 +103,17 @@ class Field:
 
     @property
     def dims(self) -> list[int]:
-        return [-1] if self.kind in (WORDS, TOKEN_IDS) else [1]
+        return [-1] if self.kind in _LISTS else [1]
 
     @property
     def allowed(self) -> str:
         if self.allowed_text:
             return self.allowed_text
+        if self.unsupported:
+            return f"only {_shown_default(self.default)} ({self.unsupported})"
         noun = {INT: "an integer", FLOAT: "a number", BOOL: "a boolean (true/false, 1/0)",
-                WORDS: "a string or a list of strings", TOKEN_IDS: "a list of token ids >= 0"}[self.kind]
+                WORDS: "a string or a list of strings", TOKEN_IDS: "a list of token ids >= 0",
+                FLOATS: "a list of numbers"}[self.kind]
         if self.lo is not None and self.hi is not None:
             left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
             return f"{noun} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
@@ -121,12 +128,21 @@ class Field:
         value = _as_text(name, value)
         if value is None and self.default is None:
             return None
+        parsed = self._parse(name, value, limits)
+        if self.unsupported and parsed != (list(self.default) if isinstance(self.default, tuple) else self.default):
+            raise refuse(name, value, self.allowed, "is not supported")
+        return parsed
+
+    def _parse(self, name: str, value: Any, limits: RequestLimits) -> Any:
         if self.kind == BOOL:
             return _to_bool(name, value)
         if self.kind == WORDS:
             return _to_words(name, value, limits)
         if self.kind == TOKEN_IDS:
             return _to_token_ids(name, value, limits)
+        if self.kind == FLOATS:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            return [_to_float(name, _as_text(name, v), self.allowed) for v in values]
         number = _to_int(name, value, self.allowed) if self.kind == INT else _to_float(name, value, self.allowed)
         if not self.in_range(number):
             raise refuse(name, value, self.allowed, "is out of range")
@@ -136,6 +152,12 @@ class Field:
         if self.lo is not None and (number < self.lo or (self.lo_open and number == self.lo)):
             return False
         return self.hi is None or not (number > self.hi or (self.hi_open and number == self.hi))
+
+
+def _shown_default(default: Any) -> str:
+    if isinstance(default, tuple):
+        return "an empty list"
+    return str(default).lower() if isinstance(default, bool) else repr(default)
 
 
 def _num(x: float) -> str:
@@ -202,8 +224,10 @@ def _to_words(name: str, value: Any, limits: RequestLimits) -> list[str]:
     words = []
     for item in value:
         item = _as_text(name, item)
-        if not isinstance(item, str) or not item:
-            raise refuse(name, item, "non-empty strings")
+        if not isinstance(item, str):
+            raise refuse(name, item, "strings")
+        if not item:
+            continue  # TensorRT-LLM clients send "" to mean no word
         if len(item.encode("utf-8")) > limits.max_word_bytes:
             raise refuse(name, item, f"words of at most {limits.max_word_bytes} bytes")
         words.append(item)
@@ -222,6 +246,9 @@ def _to_token_ids(name: str, value: Any, limits: RequestLimits) -> list[int]:
             raise refuse(name, i, allowed, "is out of range")
     return ids
 
+
+MAX_LOGPROBS = 20  # top logprobs per token a request may ask for (vLLM's default max_logprobs)
+MAX_N = 16  # samples of one prompt
 
 FIELDS: tuple[Field, ...] = (
     # ---- sampling: SamplingParams, in this order -------------------------------------------------------
@@ -242,22 +269,47 @@ FIELDS: tuple[Field, ...] = (
           aliases=("min_length",), openai="min_tokens"),
     Field("seed", INT, None, "per-request generator: the same output whatever shares the batch", lo=0, hi=2**64,
           hi_open=True, aliases=("random_seed",), tensor_type="TYPE_UINT64", openai="seed"),
+    Field("n", INT, 1, "samples of the prompt, sharing its KV blocks", lo=1, hi=MAX_N,
+          aliases=("num_return_sequences",), openai="n"),
     Field("stop", WORDS, (), "stop strings, matched on text across token boundaries, cut from the output",
           aliases=("stop_words",), inputs=("stop_words",)),
     Field("stop_token_ids", TOKEN_IDS, (), "token ids that end the output", inputs=()),
+    Field("end_id", INT, None, "the token id that ends the output instead of the model's EOS (TensorRT-LLM)",
+          lo=0),
     Field("bad_words", WORDS, (), "words the sampler may not produce"),
     Field("ignore_eos", BOOL, False, "keep generating past EOS", openai="ignore_eos"),
-    Field("logprobs", BOOL, False, "attach cumulative_logprob", aliases=("return_logprobs",),
-          inputs=("return_logprobs",)),
+    Field("logprobs", INT, None, "log-probabilities of this many top tokens per output token (vLLM), on the "
+          "`logprobs` output", lo=0, hi=MAX_LOGPROBS, inputs=()),
     Field("skip_special_tokens", BOOL, True, "leave special tokens out of the text", inputs=()),
+    # TensorRT-LLM features we do not have, accepted at the values its clients send when not using them.
+    Field("beam_width", INT, 1, "beam search", unsupported="beam search is not implemented"),
+    Field("length_penalty", FLOAT, 1.0, "beam search", unsupported="it applies to beam search only"),
+    Field("embedding_bias_words", WORDS, (), "logit bias", unsupported="logit bias is not implemented"),
+    Field("embedding_bias_weights", FLOATS, (), "logit bias", unsupported="logit bias is not implemented"),
     # ---- serving flags: serving.contract.ParsedRequest ---------------------------------------------------
     Field("stream", BOOL, False, "stream text deltas", aliases=("streaming",), sampling=False),
-    Field("exclude_input_in_output", BOOL, True, "false: the prompt leads the output", sampling=False),
+    Field("exclude_input_in_output", BOOL, True, "false: the prompt leads a non-streamed output (a streamed "
+          "one never repeats it); default from the model's default_exclude_input_in_output", sampling=False),
+    Field("apply_chat_template", BOOL, False, "text_input is a user message: render the model's chat template "
+          "around it", sampling=False),
     Field("priority", INT, 0, "lower is served first", lo=-(2**31), hi=2**31 - 1,
           allowed_text="a 32-bit integer", sampling=False),
-    Field("return_finish_reason", BOOL, False, "attach finish_reason", sampling=False),
+    Field("return_finish_reason", BOOL, False, "attach finish_reason (\"None\" until the last response)",
+          sampling=False),
     Field("return_num_input_tokens", BOOL, False, "attach num_input_tokens", sampling=False),
-    Field("return_num_output_tokens", BOOL, False, "attach num_output_tokens", sampling=False),
+    Field("return_num_output_tokens", BOOL, False, "attach num_output_tokens (tokens in this response)",
+          sampling=False),
+    Field("return_cumulative_logprob", BOOL, False, "attach cumulative_logprob", sampling=False),
+    Field("return_logprobs", BOOL, False, "attach logprobs: JSON, per token of this response, the top `logprobs` "
+          "tokens (vLLM's layout); null when the request set no logprobs", sampling=False),
+    Field("return_log_probs", BOOL, False, "attach cum_log_probs and output_log_probs (TensorRT-LLM)",
+          sampling=False),
+    Field("pad_id", INT, None, "TensorRT-LLM's padding id: accepted, never needed (outputs are not padded)",
+          lo=0, sampling=False),
+    Field("return_context_logits", BOOL, False, "TensorRT-LLM", unsupported="logits are not returned",
+          sampling=False),
+    Field("return_generation_logits", BOOL, False, "TensorRT-LLM", unsupported="logits are not returned",
+          sampling=False),
 )
 BY_NAME: dict[str, Field] = {name: f for f in FIELDS for name in f.names}  # any name a client uses -> its field
 SAMPLING_FIELDS = tuple(f for f in FIELDS if f.sampling)

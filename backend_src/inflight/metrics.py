@@ -27,6 +27,20 @@ GAUGE_NAMES = ("num_requests_running", "num_requests_waiting", "num_requests_pre
                "kv_blocks_free", "kv_cache_usage", "kv_internal_waste")
 
 
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's buckets for per-request token counts)."""
+    bounds, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(float(b) for b in bounds)
+            bounds.append(m * scale)
+        scale *= 10
+
+
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+
 def token_buckets(max_tokens: int) -> tuple[float, ...]:
     """Powers of two up to and including max_tokens (the step token budget)."""
     if max_tokens < 1:
@@ -89,9 +103,12 @@ class EngineMetrics:
       step_time_seconds:           no vLLM equivalent (one engine step, schedule to outputs)
       tokens_per_step:             vllm:iteration_tokens_total (tokens in one forward)
       batch_size:                  no vLLM equivalent (requests in one batch the dynamic batcher formed)
+      request_prompt_tokens:       vllm:request_prompt_tokens (per finished request)
+      request_generation_tokens:   vllm:request_generation_tokens (per finished request)
+      request_params_n:            vllm:request_params_n (samples a request asked for)
     """
 
-    def __init__(self, max_num_batched_tokens: int = 8192, max_batch_size: int = 256):
+    def __init__(self, max_num_batched_tokens: int = 8192, max_batch_size: int = 256, max_model_len: int = 2048):
         self._lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -107,6 +124,9 @@ class EngineMetrics:
             "step_time_seconds": Histogram(STEP_TIME_BUCKETS),
             "tokens_per_step": Histogram(token_buckets(max_num_batched_tokens)),
             "batch_size": Histogram(token_buckets(max_batch_size)),
+            "request_prompt_tokens": Histogram(one_two_five_buckets(max_model_len)),
+            "request_generation_tokens": Histogram(one_two_five_buckets(max_model_len)),
+            "request_params_n": Histogram(N_BUCKETS),
         }
         self.gauges: dict[str, float] = {name: 0 for name in GAUGE_NAMES}
         # Our own per-request marks, so the engine may set seq.first_*_time before or after calling us.
@@ -149,7 +169,14 @@ class EngineMetrics:
         self._scheduled.discard(seq)
         with self._lock:
             self.histograms["e2e_request_latency_seconds"].observe(max(0.0, now - seq.arrival_time))
+            self.histograms["request_prompt_tokens"].observe(seq.num_prompt_tokens)
+            self.histograms["request_generation_tokens"].observe(seq.num_output_tokens)
             self.requests_finished_total[reason] = self.requests_finished_total.get(reason, 0) + 1
+
+    def on_request(self, n: int) -> None:
+        """A request arrived asking for n samples."""
+        with self._lock:
+            self.histograms["request_params_n"].observe(n)
 
     def on_prompt_tokens(self, n: int) -> None:
         with self._lock:

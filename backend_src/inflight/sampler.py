@@ -60,7 +60,7 @@ class Sampler:
             logits = logits.float()
         if all(_is_plain_greedy(seq) for seq in seqs):
             token_ids = logits.argmax(dim=-1)
-            if not any(seq.params.logprobs for seq in seqs):
+            if all(seq.params.logprobs is None for seq in seqs):
                 # The hot path: a logsumexp over the vocabulary per row costs as much as the argmax,
                 # so it is paid only when some request asked for logprobs (others report 0.0).
                 return SamplerOutput(token_ids.tolist(), [0.0] * len(seqs))
@@ -217,7 +217,7 @@ def _banned_tokens(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
     p = seq.params
     if p.min_tokens and seq.num_output_tokens < p.min_tokens:
         # ignore_eos plays no part here: it only tells the engine not to stop on eos.
-        banned.extend(eos_token_ids)
+        banned.extend(eos_token_ids if p.end_id is None else (p.end_id,))
         banned.extend(p.stop_token_ids)
     if seq.bad_word_ids:
         num_out = seq.num_output_tokens

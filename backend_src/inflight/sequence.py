@@ -128,6 +128,17 @@ class Sequence:
 
 
 @dataclass
+class TokenLogprobs:
+    """One output token's log-probabilities, for requests with SamplingParams.logprobs set.
+
+    logprob: under the distribution the token was drawn from (what cumulative_logprob sums); top: token id ->
+    (logprob under the model's raw distribution, rank, its text), the sampled token and the top k (vLLM)."""
+    token_id: int
+    logprob: float
+    top: dict[int, tuple[float, int, str]]
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one request."""
     request_id: str
@@ -139,3 +150,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     cumulative_logprob: float = 0.0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs

@@ -143,7 +143,9 @@ def parse_response(get: Any) -> Delta:
         return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
     n_in, n_out = scalar("num_input_tokens"), scalar("num_output_tokens")
-    return Delta(text=text("text_output") or "", finish_reason=text("finish_reason") or None,
+    reason = text("finish_reason")
+    # vLLM's convention, which our models follow: finish_reason "None" on every response before the last.
+    return Delta(text=text("text_output") or "", finish_reason=None if reason in (None, "", "None") else reason,
                  num_input_tokens=None if n_in is None else int(n_in),
                  num_output_tokens=None if n_out is None else int(n_out))
 

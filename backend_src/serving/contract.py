@@ -22,9 +22,11 @@ INPUT_NAMES = ("text_input", "sampling_parameters", *(name for name, _, _ in inp
 # Names allowed as keys of the sampling_parameters JSON and as request parameters: every field, every alias.
 KEY_NAMES = tuple(sorted(BY_NAME))
 
-# What a response may carry: (name, Triton type). Optional ones only when the request asked for them.
+# What a response may carry: (name, Triton type). Optional ones only when the request asked for them. Each has
+# one element per sample of the request (n), so a vLLM client reads output[i] for sample i.
 OUTPUTS = (("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"), ("num_input_tokens", "TYPE_UINT32"),
-           ("num_output_tokens", "TYPE_UINT32"), ("cumulative_logprob", "TYPE_FP32"))
+           ("num_output_tokens", "TYPE_UINT32"), ("cumulative_logprob", "TYPE_FP32"), ("logprobs", "TYPE_STRING"),
+           ("cum_log_probs", "TYPE_FP32"), ("output_log_probs", "TYPE_FP32"))
 
 
 @dataclass
@@ -34,15 +36,25 @@ class ParsedRequest:
     # Serving flags: the non-sampling rows of inflight.fields.FIELDS, with their defaults.
     stream: bool = False
     exclude_input_in_output: bool = True
+    apply_chat_template: bool = False
     priority: int = 0
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    return_log_probs: bool = False
+    pad_id: int | None = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     cancel: bool = False  # TensorRT-LLM's stop=true: cancel the in-flight request(s) with this request id
+    # The client set `logprobs` itself. When it did not, a log-probability output still needs the sampled
+    # tokens' logprobs (params.logprobs = 0), but vLLM's `logprobs` output says null.
+    logprobs_requested: bool = False
 
     @property
-    def return_logprobs(self) -> bool:
-        return self.params.logprobs
+    def wants_token_logprobs(self) -> bool:
+        return self.return_cumulative_logprob or self.return_log_probs or self.return_logprobs
 
 
 # ---- extracting raw values from the three sources --------------------------------------------
@@ -111,9 +123,10 @@ def _parse_prompt(inputs: Mapping[str, Any], required: bool) -> str:
 
 
 def parse_request(inputs: Mapping[str, Any], parameters: Mapping[str, Any] | None = None,
-                  limits: RequestLimits = RequestLimits()) -> ParsedRequest:
+                  limits: RequestLimits = RequestLimits(), defaults: Mapping[str, Any] | None = None) -> ParsedRequest:
     """Parse one request. `inputs`: tensor name -> numpy array (absent inputs simply missing);
-    `parameters`: the request parameters (json.loads of request.parameters()).
+    `parameters`: the request parameters (json.loads of request.parameters()); `defaults`: serving flags' values
+    when the request does not set them (the model's own defaults, e.g. exclude_input_in_output).
 
     A field given in several places (an input tensor, a request parameter, a key of
     sampling_parameters, or under two aliases) must carry the same value everywhere."""
@@ -153,6 +166,10 @@ def parse_request(inputs: Mapping[str, Any], parameters: Mapping[str, Any] | Non
             values[f.name] = value
             origin[f.name] = f"{name}={value!r} ({where})"
 
-    params = SamplingParams(**{f.name: values[f.name] for f in SAMPLING_FIELDS if f.name in values})
-    flags = {f.name: values[f.name] for f in FIELDS if not f.sampling and f.name in values}
-    return ParsedRequest(prompt=prompt, params=params, cancel=cancel, **flags)
+    flags = {**(defaults or {}), **{f.name: values[f.name] for f in FIELDS if not f.sampling and f.name in values}}
+    req = ParsedRequest(prompt=prompt, cancel=cancel, logprobs_requested="logprobs" in values, **flags)
+    sampling = {f.name: values[f.name] for f in SAMPLING_FIELDS if f.name in values}
+    if req.wants_token_logprobs and sampling.get("logprobs") is None:
+        sampling["logprobs"] = 0  # the sampled tokens' own logprobs, no alternatives
+    req.params = SamplingParams(**sampling)
+    return req

@@ -39,11 +39,13 @@ class InflightFrontend:
 
     def __init__(self, engine: LLMEngine, transport: Transport, limits: RequestLimits = RequestLimits(),
                  cancel_check_period_s: float = 0.1, is_ready: Callable[[], bool | None] | None = None,
-                 ready_check_period_s: float = 0.5, fault_injector: FaultInjector | None = None):
+                 ready_check_period_s: float = 0.5, fault_injector: FaultInjector | None = None,
+                 request_defaults: Mapping[str, Any] | None = None):
         self.engine = engine
         self.transport = transport
         self.responder = Responder(transport)
         self.limits = limits
+        self.request_defaults = dict(request_defaults or {})  # the model's defaults for serving flags
         self.cancel_check_period_s = cancel_check_period_s
         self.unload_watch = UnloadWatch(is_ready, ready_check_period_s)
         self.fault_injector = fault_injector
@@ -97,7 +99,7 @@ class InflightFrontend:
             if self.fault_injector is not None and parameters and FAULT_PARAMETER in parameters:
                 parameters = dict(parameters)
                 fault = parse_fault(parameters.pop(FAULT_PARAMETER))
-            req = parse_request(inputs, parameters, self.limits)
+            req = parse_request(inputs, parameters, self.limits, self.request_defaults)
         except InvalidRequestError as e:
             send_error(self.transport, sender, RequestError(str(e), INVALID_ARG), client_id)
             return
@@ -110,7 +112,7 @@ class InflightFrontend:
         with self._lock:
             self._inflight[live.internal_id] = live
         try:
-            self.loop.add_request(live.internal_id, req.prompt, req.params, req.priority)
+            self.loop.add_request(live.internal_id, req.prompt, req.params, req.priority, req.apply_chat_template)
         except Exception as e:  # noqa: BLE001 - whatever add_request raises costs this request only
             if isinstance(e, QueueFullError):
                 error = RequestError(str(e), UNAVAILABLE)

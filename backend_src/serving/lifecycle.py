@@ -6,6 +6,7 @@ step the engine; everything a client sees comes from here.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from inflight.sequence import FinishReason, RequestOutput
+from inflight.sequence import FinishReason, RequestOutput, TokenLogprobs
 
 from .contract import ParsedRequest
 from .errors import CANCELLED, INTERNAL, RequestError
@@ -39,6 +40,7 @@ class LiveRequest:
     req: ParsedRequest
     text: str = ""  # not streaming: the whole output so far
     token_ids: list[int] = field(default_factory=list)  # tokens not yet sent (all of them when not streaming)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, when the request asked for logprobs
     num_responses: int = 0
     abort_reason: str | None = None  # set once an abort was asked for, and why
     done: bool = False  # the final went out: the sender must never be touched again
@@ -71,13 +73,14 @@ class Responder:
     def progress(self, live: LiveRequest, out: RequestOutput) -> None:
         """A non-final engine output: stream its text now, or keep it for the final response."""
         live.token_ids += out.new_token_ids
+        live.logprobs += out.logprobs or []
         if not live.req.stream:
             live.text += out.text_delta
             return
         if not out.text_delta:
             return  # held-back bytes of a partial character: no empty responses
         outputs = self.outputs(live, out, out.text_delta, final=False)
-        live.token_ids = []
+        live.token_ids, live.logprobs = [], []
         live.num_responses += 1
         try:
             self.transport.send(live.sender, outputs, final=False)
@@ -94,6 +97,7 @@ class Responder:
             self.fail(live, RequestError(f"request {why}", CANCELLED))
             return
         live.token_ids += out.new_token_ids
+        live.logprobs += out.logprobs or []
         text = out.text_delta if live.req.stream else live.text + out.text_delta
         outputs = self.outputs(live, out, text, final=True)
         live.done = True
@@ -109,22 +113,28 @@ class Responder:
         send_error(self.transport, live.sender, error, live.client_id)
 
     def outputs(self, live: LiveRequest, out: RequestOutput, text: str, final: bool) -> dict[str, np.ndarray]:
-        """One response's tensors; the optional ones only when the request asked for them."""
+        """One response's tensors; the optional ones, on every response, only when the request asked for them.
+        Token counts and log-probabilities cover the tokens this response carries (all of them when not
+        streaming), as in vLLM's backend."""
         req = live.req
-        if not req.exclude_input_in_output and live.num_responses == 0:
-            text = req.prompt + text  # the prompt leads the first (or only) response
+        if not req.stream and not req.exclude_input_in_output:
+            text = req.prompt + text  # the prompt leads a whole output; a stream never repeats it (both peers)
         outputs = {"text_output": _bytes_tensor(text)}
         if self.with_token_ids:
             outputs["output_ids"] = np.array(live.token_ids, dtype=np.int32)
-        if req.return_finish_reason and final:
-            outputs["finish_reason"] = _bytes_tensor(out.finish_reason.openai)
+        if req.return_finish_reason:  # vLLM's backend says "None" until the request finishes
+            outputs["finish_reason"] = _bytes_tensor(out.finish_reason.openai if final else "None")
         if req.return_num_input_tokens:
             outputs["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
         if req.return_num_output_tokens:
-            # Streaming: the tokens this response carries (they add up to the total, as in vLLM's backend).
             outputs["num_output_tokens"] = np.array([len(live.token_ids)], dtype=np.uint32)
-        if req.return_logprobs:
+        if req.return_cumulative_logprob:
             outputs["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
+        if req.return_logprobs:
+            outputs["logprobs"] = _bytes_tensor(logprobs_json(live.logprobs) if req.logprobs_requested else "null")
+        if req.return_log_probs:  # TensorRT-LLM's names
+            outputs["cum_log_probs"] = np.array([out.cumulative_logprob], dtype=np.float32)
+            outputs["output_log_probs"] = np.array([t.logprob for t in live.logprobs], dtype=np.float32)
         return outputs
 
     def is_cancelled(self, live: LiveRequest) -> bool:
@@ -134,6 +144,14 @@ class Responder:
         except Exception:  # noqa: BLE001 - treat a broken sender as gone
             log.exception("is_cancelled failed for %s", live.internal_id)
             return True
+
+
+def logprobs_json(tokens: list[TokenLogprobs]) -> str:
+    """vLLM's layout: per token, {token id: {"logprob", "rank", "decoded_token"}} for the sampled token and the
+    top ones, most likely first."""
+    return json.dumps([{str(tid): {"logprob": lp, "rank": rank, "decoded_token": text}
+                        for tid, (lp, rank, text) in sorted(t.top.items(), key=lambda kv: kv[1][1])}
+                       for t in tokens])
 
 
 def send_error(transport: Transport, sender: Any, error: RequestError, client_id: str = "") -> None:

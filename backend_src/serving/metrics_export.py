@@ -42,6 +42,9 @@ HISTOGRAMS = (
            "Histogram of time spent waiting before first scheduled, in seconds."),
     Export("vllm:iteration_tokens_total", "tokens_per_step", "Histogram of tokens per engine step."),
     Export("inflight:step_time_seconds", "step_time_seconds", "Histogram of engine step duration in seconds."),
+    Export("vllm:request_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens processed."),
+    Export("vllm:request_generation_tokens", "request_generation_tokens", "Number of generation tokens processed."),
+    Export("vllm:request_params_n", "request_params_n", "Histogram of the n request parameter."),
     Export("inflight:batch_size", "batch_size",
            "Histogram of the batch sizes the dynamic batcher hands execute() (dynamic-batcher arm only)."),
 )

@@ -20,6 +20,13 @@ class ServingOptions:
     cancel_check_period_s: float = 0.1
     metrics_interval_s: float = 1.0
     enable_test_hooks: bool = False  # lets the `inject_fault` request parameter arm engine faults
+    # A request that does not say: true (ours) returns only new text; false (vLLM's and TensorRT-LLM's
+    # default) puts the prompt before a non-streamed output.
+    default_exclude_input_in_output: bool = True
+
+    @property
+    def request_defaults(self) -> dict[str, bool]:
+        return {"exclude_input_in_output": self.default_exclude_input_in_output}
 
 
 # name -> (default, lo, hi); glue settings that are not engine options.
@@ -27,7 +34,7 @@ _GLUE_INTS = {
     "cancel_check_period_ms": (100, 1, 60_000),
     "metrics_interval_ms": (1000, 10, 3_600_000),
 }
-_GLUE_BOOLS = {"enable_test_hooks": False}
+_GLUE_BOOLS = {"enable_test_hooks": False, "default_exclude_input_in_output": True}
 _LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 

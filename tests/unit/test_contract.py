@@ -77,11 +77,19 @@ def test_vllm_sampling_parameters_json_with_string_numbers():
 def test_vllm_json_penalties_and_extras():
     req = parse_request({**text(), "sampling_parameters": sp({
         "repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 0.5, "min_p": 0.1,
-        "stop_token_ids": [2, 3], "bad_words": "xyz", "skip_special_tokens": False, "logprobs": 1})})
+        "stop_token_ids": [2, 3], "bad_words": "xyz", "skip_special_tokens": False, "logprobs": 2, "n": 3})})
     p = req.params
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p) == (1.2, -0.5, 0.5, 0.1)
     assert p.stop_token_ids == [2, 3] and p.bad_words == ["xyz"] and p.skip_special_tokens is False
-    assert req.return_logprobs is True and p.logprobs is True
+    assert p.logprobs == 2 and req.logprobs_requested and p.n == 3  # vLLM: how many top logprobs per token
+
+
+def test_vllm_output_flags_are_separate():
+    req = parse_request({**text(), "return_cumulative_logprob": flag(True)})
+    assert req.return_cumulative_logprob and not req.return_logprobs
+    # The sampled tokens' own logprobs are needed, but the client asked for no top logprobs: output says null.
+    assert req.params.logprobs == 0 and not req.logprobs_requested
+    assert parse_request(text()).params.logprobs is None  # nothing asked: nothing computed
 
 
 def test_vllm_stop_string_as_request_parameter():
@@ -210,8 +218,32 @@ def test_unknown_request_parameter():
 
 
 def test_unknown_input_tensor():
-    msg = refused({**text(), "beam_width": i32(2)})
-    assert "'beam_width'" in msg and "text_input" in msg
+    msg = refused({**text(), "lora_task_id": i32(2)})
+    assert "'lora_task_id'" in msg and "text_input" in msg
+
+
+def test_trtllm_client_defaults_are_accepted():
+    """What end_to_end_grpc_client.py sends when it uses none of these features, with its [1, 1] shapes."""
+    req = parse_request({"text_input": np.array([[b"Hi"]], dtype=np.object_), "max_tokens": np.array([[8]], np.int32),
+                         "beam_width": np.array([[1]], np.int32), "temperature": np.array([[1.0]], np.float32),
+                         "bad_words": np.array([[b""]], np.object_), "stop_words": np.array([[b""]], np.object_),
+                         "embedding_bias_words": np.zeros((1, 0), np.object_),
+                         "embedding_bias_weights": np.zeros((1, 0), np.float32),
+                         "num_return_sequences": np.array([[1]], np.int32), "end_id": np.array([[2]], np.int32),
+                         "pad_id": np.array([[2]], np.int32), "exclude_input_in_output": np.array([[False]])})
+    assert req.prompt == "Hi" and req.params.max_tokens == 8 and req.params.stop == [] and req.params.bad_words == []
+    assert req.params.end_id == 2 and req.pad_id == 2 and req.params.n == 1
+
+
+@pytest.mark.parametrize("name,value,why", [
+    ("beam_width", 4, "beam search is not implemented"),
+    ("length_penalty", 0.5, "beam search only"),
+    ("embedding_bias_words", ["x"], "logit bias"),
+    ("return_context_logits", True, "logits are not returned"),
+])
+def test_trtllm_features_we_lack_are_refused_by_name(name, value, why):
+    msg = refused(text(), {name: value})
+    assert msg.startswith(f"{name}=") and "is not supported" in msg and why in msg
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -235,7 +267,7 @@ def test_unknown_input_tensor():
     ("ignore_eos", "maybe", "ignore_eos='maybe'"),
     ("stream", 2, "stream=2"),
     ("stop", 5, "stop=5"),
-    ("stop", [""], "stop=''"),
+    ("stop", [3], "stop=3"),
     ("stop_token_ids", [-1], "stop_token_ids=-1"),
 ])
 def test_bad_values_name_field_value_and_range(field, value, needle):

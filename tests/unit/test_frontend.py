@@ -105,7 +105,8 @@ def test_stream_deltas_equal_the_whole_text_and_final_rides_on_data(frontend):
     # Per-response token counts add up to the total; finish_reason only on the final.
     assert sum(int(o["num_output_tokens"][0]) for o, _, _ in a.events) == 12
     assert int(b.events[0][0]["num_output_tokens"][0]) == 12
-    assert [o.get("finish_reason") is not None for o, _, _ in a.events] == [False] * (len(a.events) - 1) + [True]
+    # finish_reason on every response, "None" until the last (vLLM's backend does the same).
+    assert [o["finish_reason"][0] for o, _, _ in a.events] == [b"None"] * (len(a.events) - 1) + [b"length"]
     assert b.events[0][0]["finish_reason"][0] == b"length"
     assert b.events[0][0]["num_input_tokens"][0] == a.events[0][0]["num_input_tokens"][0] > 0
 
@@ -117,14 +118,33 @@ def test_only_requested_outputs_are_attached(frontend):
     assert set(s.events[0][0]) == {"text_output"}
 
 
-def test_prompt_leads_the_output_when_not_excluded(frontend):
-    a, b = Sender("stream"), Sender("whole")
-    frontend.submit(a, "", request("Hello there", max_tokens=4, ignore_eos=True, temperature=0.0,
-                                   exclude_input_in_output=False, stream=True))
-    frontend.submit(b, "", request("Hello there", max_tokens=4, ignore_eos=True, temperature=0.0))
-    wait(a, b)
-    assert text_of(a) == "Hello there" + text_of(b)
-    assert a.events[0][0]["text_output"][0].decode().startswith("Hello there")
+def test_prompt_leads_a_whole_output_when_not_excluded_but_never_a_stream(frontend):
+    """Both peers: exclude_input_in_output=false echoes the prompt in a non-streamed response; a stream never
+    repeats it, whatever the flag says."""
+    a, b, c = Sender("stream"), Sender("whole"), Sender("plain")
+    common = dict(max_tokens=4, ignore_eos=True, temperature=0.0, exclude_input_in_output=False)
+    frontend.submit(a, "", request("Hello there", stream=True, **common))
+    frontend.submit(b, "", request("Hello there", **common))
+    frontend.submit(c, "", request("Hello there", max_tokens=4, ignore_eos=True, temperature=0.0))
+    wait(a, b, c)
+    assert text_of(b) == "Hello there" + text_of(c) and text_of(a) == text_of(c)
+    assert not a.events[0][0]["text_output"][0].decode().startswith("Hello there")
+
+
+def test_the_models_default_for_exclude_input_in_output(engine):
+    transport = RecordingTransport()
+    fe = InflightFrontend(engine, transport, cancel_check_period_s=0.02,
+                          request_defaults={"exclude_input_in_output": False})  # vLLM's and TensorRT-LLM's
+    fe.start()
+    try:
+        echoed, plain = Sender("echoed"), Sender("plain")
+        fe.submit(echoed, "", request("Hello there", max_tokens=3, ignore_eos=True, temperature=0.0))
+        fe.submit(plain, "", request("Hello there", max_tokens=3, ignore_eos=True, temperature=0.0,
+                                     exclude_input_in_output=True))
+        wait(echoed, plain)
+        assert text_of(echoed) == "Hello there" + text_of(plain)
+    finally:
+        fe.close()
 
 
 def test_bad_requests_get_one_error_each_and_good_ones_complete(frontend):

@@ -39,7 +39,8 @@ class TritonPythonModel:
             # Triton unloads the model only after every in-flight request had its final: notice the unload
             # (or server shutdown) and end them, or shutdown waits out --exit-timeout-secs and then crashes.
             is_ready=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])),
-            fault_injector=FaultInjector() if options.enable_test_hooks else None)
+            fault_injector=FaultInjector() if options.enable_test_hooks else None,
+            request_defaults=options.request_defaults)
         self.exporter = MetricsExporter(self._metrics_snapshot, TritonMetricSink(), metric_labels(args),
                                         options.metrics_interval_s)
         self.frontend.start()

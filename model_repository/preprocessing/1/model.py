@@ -23,6 +23,7 @@ class TritonPythonModel:
         model_config, options = model_options(args)
         self._input_names = [i["name"] for i in model_config["input"]]
         self.limits = options.limits
+        self.request_defaults = options.request_defaults
         # Must be the engine's tokenizer and limits: the engine would encode a text prompt exactly like this.
         engine = options.engine
         self.prompts = PromptEncoder(AutoTokenizer.from_pretrained(engine.model), engine.max_model_len,
@@ -36,11 +37,11 @@ class TritonPythonModel:
         arrival_unix = time.time()
         try:
             inputs, parameters = read_inputs(request, self._input_names)
-            req = parse_request(inputs, parameters, self.limits)
+            req = parse_request(inputs, parameters, self.limits, self.request_defaults)
             if req.cancel:
                 raise InvalidRequestError("stop=true (cancel by request id) is not supported by the dynamic-batcher "
                                           "arm: allowed on the in-flight model `llm`; cancel the stream instead")
-            ids = self.prompts.encode(req.prompt)
+            ids = self.prompts.encode(req.prompt, chat=req.apply_chat_template)
         except (InvalidRequestError, ValueError) as e:
             return error_response(RequestError(str(e), INVALID_ARG))
         except Exception as e:  # noqa: BLE001 - this request only
