@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 # Our model ends its error messages with "(request id 'ID')"; Triton's own refusals start "[request id: ID]".
 ERROR_ID = re.compile(r"\[request id: ([^\]]*)\]|.*\(request id '([^']*)'\)$", re.S)
+NO_TEMPLATE = "this model has no chat template"
 
 
 @dataclass
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llm", help="model name (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default 1)")
     p.add_argument("--no-stream", action="store_true", help="ask for one response per request")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as raw text (default: as a chat message, in the model's chat template, when "
+                        "the model has one)")
     p.add_argument("--quiet", action="store_true", help="print only the stats")
     g = p.add_argument_group("sampling (omitted: the server's default)")
     g.add_argument("--max-tokens", type=int)
@@ -90,7 +94,8 @@ def _tensor(name: str, value, datatype: str) -> grpcclient.InferInput:
 
 def build_inputs(prompt: str, args: argparse.Namespace) -> list[grpcclient.InferInput]:
     inputs = [_tensor("text_input", prompt, "BYTES"), _tensor("stream", not args.no_stream, "BOOL"),
-              _tensor("return_num_output_tokens", True, "BOOL"), _tensor("return_finish_reason", True, "BOOL")]
+              _tensor("return_num_output_tokens", True, "BOOL"), _tensor("return_finish_reason", True, "BOOL"),
+              _tensor("apply_chat_template", not args.raw, "BOOL")]
     optional = [("max_tokens", args.max_tokens, "INT32"), ("min_tokens", args.min_tokens, "INT32"),
                 ("temperature", args.temperature, "FP32"), ("top_p", args.top_p, "FP32"),
                 ("top_k", args.top_k, "INT32"), ("seed", args.seed, "UINT64"),
@@ -153,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
                 t = by_id.get(match.group(1) or match.group(2)) if match else None
                 if t is None or t.done_at is not None:
                     t = next(x for x in tracked if x.sent_at and x.done_at is None)
+                if NO_TEMPLATE in (error.message() or ""):  # only a request sent as chat gets this: resend it raw
+                    if not args.raw:
+                        print("the model has no chat template: sending prompts as raw text", file=sys.stderr)
+                    args.raw = True
+                    t.sent_at = time.monotonic()
+                    client.async_stream_infer(args.model, build_inputs(t.prompt, args), request_id=f"gen-{t.index}")
+                    continue
                 final = True
                 t.error = error.message() or str(error)
             else:
@@ -168,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                     n = result.as_numpy("num_output_tokens")
                     t.num_tokens += int(n[0]) if n is not None else 0
                     reason = result.as_numpy("finish_reason")
-                    if reason is not None:
+                    if reason is not None and reason[0] != b"None":  # "None" until the last response
                         t.finish_reason = reason[0].decode()
                     if piece and t.first_at is None:
                         t.first_at = now

@@ -68,7 +68,8 @@ def preprocessing() -> str:
             + 'parameters { key: "model" value: { string_value: "../models/SmolLM2-135M-Instruct" } }\n'
             + 'parameters { key: "max_prompt_bytes" value: { string_value: "1048576" } }\n'
             + "# default_exclude_input_in_output: as in llm's config (the request flags are parsed here)\n"
-            + 'parameters { key: "default_exclude_input_in_output" value: { string_value: "true" } }\n')
+            + 'parameters { key: "default_exclude_input_in_output" value: { string_value: "true" } }\n'
+            + 'parameters { key: "default_apply_chat_template" value: { string_value: "false" } }\n')
 
 
 def postprocessing() -> str:

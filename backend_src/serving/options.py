@@ -23,10 +23,14 @@ class ServingOptions:
     # A request that does not say: true (ours) returns only new text; false (vLLM's and TensorRT-LLM's
     # default) puts the prompt before a non-streamed output.
     default_exclude_input_in_output: bool = True
+    # A request that does not say: false (both peers) takes text_input as raw text; true renders the model's
+    # chat template around it, for raw-text clients of an instruct model.
+    default_apply_chat_template: bool = False
 
     @property
     def request_defaults(self) -> dict[str, bool]:
-        return {"exclude_input_in_output": self.default_exclude_input_in_output}
+        return {"exclude_input_in_output": self.default_exclude_input_in_output,
+                "apply_chat_template": self.default_apply_chat_template}
 
 
 # name -> (default, lo, hi); glue settings that are not engine options.
@@ -34,7 +38,8 @@ _GLUE_INTS = {
     "cancel_check_period_ms": (100, 1, 60_000),
     "metrics_interval_ms": (1000, 10, 3_600_000),
 }
-_GLUE_BOOLS = {"enable_test_hooks": False, "default_exclude_input_in_output": True}
+_GLUE_BOOLS = {"enable_test_hooks": False, "default_exclude_input_in_output": True,
+               "default_apply_chat_template": False}
 _LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 
