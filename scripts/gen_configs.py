@@ -7,6 +7,8 @@ the output list (serving.contract.OUTPUTS), so a field is declared in one place:
   model_repository/postprocessing/config.pbtxt  whole (llm_dynamic's responses in, the public outputs out)
   model_repository/llm_ensemble/config.pbtxt    whole (the dynamic-batcher arm under its own name)
   model_repository/llm/configs/dynamic.pbtxt    whole (the same ensemble served as `llm`: the config swap)
+  model_repository/ensemble/config.pbtxt        whole (TensorRT-LLM's client surface over `llm`, streaming)
+  model_repository/ensemble_unary/config.pbtxt  whole (the same, one response per request)
 
     .venv/bin/python scripts/gen_configs.py          # rewrite what is out of date
     .venv/bin/python scripts/gen_configs.py --check  # exit 1 if anything is out of date (a test runs this)
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 
 from inflight.fields import input_tensors
+from serving.batch_rows import OWN_OUTPUTS
 from serving.contract import OUTPUTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,6 +104,18 @@ def ensemble(name: str, why: str) -> str:
             + "\nensemble_scheduling {\n  step [\n" + body + "  ]\n}\n")
 
 
+TRTLLM_MAX_BATCH = 64
+
+
+def trtllm_front(name: str, decoupled: bool, why: str) -> str:
+    outputs = [_tensor(n, t, [-1, -1] if n == "output_log_probs" else [-1]) for n, t in OUTPUTS]
+    outputs += [_tensor(*t) for t in OWN_OUTPUTS]
+    return (HEADER + why + f'name: "{name}"\nbackend: "python"\nmax_batch_size: {TRTLLM_MAX_BATCH}\n\n'
+            + f"model_transaction_policy {{\n  decoupled: {str(decoupled).lower()}\n}}\n\n"
+            + public_inputs() + _block("output", outputs)
+            + "\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n")
+
+
 def splice(path: Path, generated: str) -> str:
     """The file's text with the part between the markers replaced by `generated`."""
     text = path.read_text()
@@ -124,6 +139,11 @@ def targets() -> dict[Path, str]:
         REPO / "llm" / "configs" / "dynamic.pbtxt": ensemble("llm", (
             "# `tritonserver --model-config-name=dynamic`: serve the name `llm` with the dynamic-batcher\n"
             "# ensemble instead of the in-flight engine (same contract; see docs/ab.md).\n")),
+        REPO / "ensemble" / "config.pbtxt": trtllm_front("ensemble", True, (
+            "# TensorRT-LLM's clients, unchanged: their model name, batch dimensions ([B, 1] inputs, one response\n"
+            "# per row with batch_index) and input names, served by the in-flight engine `llm` through BLS.\n")),
+        REPO / "ensemble_unary" / "config.pbtxt": trtllm_front("ensemble_unary", False, (
+            "# `ensemble` for plain (unary) infer clients: not decoupled, one response per request.\n")),
     }
 
 
