@@ -86,7 +86,7 @@ async def grpc_stream(url: str, model: str, prompt: str, **values: Any) -> tuple
                 raise RuntimeError(error.message())
             deltas.append(result.as_numpy("text_output").reshape(-1)[0].decode())
             reason = result.as_numpy("finish_reason")
-            if reason is not None:
+            if reason is not None and reason.reshape(-1)[0] != b"None":  # "None" until the last response
                 final = {"finish_reason": reason.reshape(-1)[0].decode(),
                          "num_input_tokens": int(result.as_numpy("num_input_tokens").reshape(-1)[0])}
                 break

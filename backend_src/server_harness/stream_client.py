@@ -121,7 +121,7 @@ class StreamClient:
         if n is not None:
             rec.num_output_tokens += int(n.reshape(-1)[0])
         reason = result.as_numpy("finish_reason")
-        if reason is not None:
+        if reason is not None and reason.reshape(-1)[0] != b"None":  # "None" until the last response (vLLM)
             rec.finish_reasons.append(reason.reshape(-1)[0].decode())
         params = response.parameters
         if "triton_final_response" in params and params["triton_final_response"].bool_param:

@@ -359,7 +359,7 @@ def test_http_generate_and_generate_stream(server):
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
     assert sum(e["num_output_tokens"] for e in events) == 10
-    assert events[-1]["finish_reason"] == "length" and all("finish_reason" not in e for e in events[:-1])
+    assert events[-1]["finish_reason"] == "length" and all(e["finish_reason"] == "None" for e in events[:-1])
     # Request parameters work too (the generate extension passes unknown JSON fields as parameters).
     body = {"text_input": "你好 HTTP 😀", "parameters": {"max_tokens": 10, "temperature": 0, "ignore_eos": True}}
     req = urllib.request.Request(f"{server.http_base}/v2/models/llm/generate", data=json.dumps(body).encode())
