@@ -65,16 +65,17 @@ def to_public_outputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """postprocessing: one llm_dynamic response (tensors with a leading batch dim of 1) -> the public
     outputs with `llm`'s shapes. Raises ValueError when the response breaks the interface."""
     raw = np.asarray(inputs["text_output"]).reshape(-1)
-    if raw.size != 1:
-        raise ValueError(f"text_output has {raw.size} elements: allowed exactly 1")
-    text = raw[0].encode("utf-8") if isinstance(raw[0], str) else bytes(raw[0])
-    text.decode("utf-8")  # UnicodeDecodeError is a ValueError: the engine never splits a character
-    outputs = {"text_output": np.array([text], dtype=np.object_)}
+    if raw.size < 1:
+        raise ValueError("text_output has no element: allowed one per sample")
+    texts = [t.encode("utf-8") if isinstance(t, str) else bytes(t) for t in raw]
+    for text in texts:
+        text.decode("utf-8")  # UnicodeDecodeError is a ValueError: the engine never splits a character
+    outputs = {"text_output": np.array(texts, dtype=np.object_)}
     num_ids = np.asarray(inputs["output_ids"]).size
     for name in _PUBLIC[1:]:
         if inputs.get(name) is not None:
             outputs[name] = np.asarray(inputs[name]).reshape(-1)
-    if "num_output_tokens" in outputs and int(outputs["num_output_tokens"][0]) != num_ids:
-        raise ValueError(f"num_output_tokens={int(outputs['num_output_tokens'][0])} but the response carries "
+    if "num_output_tokens" in outputs and int(outputs["num_output_tokens"].sum()) != num_ids:
+        raise ValueError(f"num_output_tokens={outputs['num_output_tokens'].tolist()} but the response carries "
                          f"{num_ids} output_ids: allowed equal counts")
     return outputs

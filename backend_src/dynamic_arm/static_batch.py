@@ -17,7 +17,7 @@ from inflight.fields import InvalidRequestError
 from inflight.sequence import RequestOutput
 from serving.contract import ParsedRequest
 from serving.errors import INTERNAL, INVALID_ARG, RequestError
-from serving.lifecycle import LiveRequest, RequestIds, Responder, Transport, UnloadWatch
+from serving.lifecycle import LiveRequest, RequestIds, Responder, Transport, UnloadWatch, by_request
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,14 @@ class StaticBatchRunner:
                     stats.step_s += time.monotonic() - t
                     stats.num_steps += 1
                 t = time.monotonic()
-                for out in outs:
-                    self._deliver(live, out)
+                for request_id, group in by_request(outs).items():
+                    self._deliver(live, request_id, group)
                 stats.send_s += time.monotonic() - t
         finally:
             # Whatever escaped (an exception in delivery, a bug) still ends every request exactly once.
             for entry in live.values():
                 if not entry.done:
-                    if entry.internal_id in self.engine.seqs:
-                        self.engine.abort_request(entry.internal_id)
+                    self.engine.abort_request(entry.internal_id)
                     self.responder.fail(entry, RequestError("internal error: the batch ended without a final "
                                                             "response for this request", INTERNAL))
         stats.seconds = time.monotonic() - t0
@@ -123,17 +122,15 @@ class StaticBatchRunner:
         outs = []
         for entry in entries:
             entry.abort_reason = reason
-            out = self.engine.abort_request(entry.internal_id)
-            if out is not None:
-                outs.append(out)
+            outs += self.engine.abort_request(entry.internal_id)
         return outs
 
     # ---- responses --------------------------------------------------------------------------------
-    def _deliver(self, live: dict[str, LiveRequest], out: RequestOutput) -> None:
-        entry = live.get(out.request_id)
+    def _deliver(self, live: dict[str, LiveRequest], request_id: str, outs: list[RequestOutput]) -> None:
+        entry = live.get(request_id)
         if entry is None or entry.done:
             return
-        if out.finished:
-            self.responder.finish(entry, out)
-        else:
-            self.responder.progress(entry, out)
+        self.responder.absorb(entry, outs)
+        if self.responder.is_over(entry):
+            self.engine.abort_request(entry.internal_id)  # a sample failed: its siblings go too (else a no-op)
+        self.responder.flush(entry)

@@ -35,6 +35,9 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 cached blocks, oldest first
         self.hash_to_block: dict[bytes, int] = {}
+        # (source, destination) block copies the runner must make before the next forward: copy-on-write of
+        # a partly filled block that forked samples share.
+        self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
 
@@ -113,7 +116,22 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         """Could the sequence's table cover num_computed + num_new_tokens, leaving `reserve` blocks free?"""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return self.num_free_blocks - max(needed, 0) >= reserve
+        return self.num_free_blocks - max(needed, 0) - self._needs_copy(seq) >= reserve
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """The next token lands in a partly filled last block that another sequence still shares."""
+        return (bool(seq.block_table) and seq.num_computed_tokens % self.block_size != 0
+                and self.blocks[seq.block_table[-1]].ref_count > 1)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child (another sample of the parent's request) shares every block of the parent's computed prompt;
+        a shared, partly filled last block is copied when either first writes to it (allocate)."""
+        for block_id in parent.block_table:
+            self._ref(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_hashes = list(parent.block_hashes)
 
     def admit(self, seq: Sequence) -> int:
         """First allocation of a waiting sequence: share cached prefix blocks. Returns tokens served from cache."""
@@ -130,6 +148,11 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the table so num_computed + num_new_tokens tokens have slots: a new block only when needed."""
+        if self._needs_copy(seq):  # copy-on-write: this sequence gets its own copy of the shared last block
+            shared = seq.block_table[-1]
+            seq.block_table[-1] = self._take_block()
+            self.blocks[shared].ref_count -= 1  # still >= 1: the other sample keeps it
+            self.pending_copies.append((shared, seq.block_table[-1]))
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: need {needed} blocks, {self.num_free_blocks} free")

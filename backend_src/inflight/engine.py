@@ -1,12 +1,14 @@
 """The engine: add_request / abort_request / step(), and the background loop thread that drives it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from typing import Callable
 
+import torch
 from transformers import AutoTokenizer
 
 from .block_manager import BlockManager
@@ -48,7 +50,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.prompts = PromptEncoder(self.tokenizer, config.max_model_len, config.max_prompt_bytes)
-        self.seqs: dict[str, Sequence] = {}  # live requests by id
+        self.seqs: dict[str, Sequence] = {}  # live sequences by id (a request's samples are sequences of their own)
+        self.groups: dict[str, list[str]] = {}  # request id -> its live samples' sequence ids
         self._last_prefix = (0, 0)
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases: set_step_timer()
@@ -98,6 +101,7 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"request_id={seq.request_id!r} is already in flight: allowed a unique id")
         self.seqs[seq.request_id] = seq
+        self.groups[seq.group_id] = [seq.request_id]
         self.scheduler.add(seq)
         self.metrics.on_request(seq.params.n)
 
@@ -108,14 +112,13 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a live request: its blocks are freed now and its final output says CANCELLED."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            return None
-        out = self._finish(seq, FinishReason.CANCELLED, time.monotonic())
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a live request, every sample of it: blocks are freed now and each final output says CANCELLED."""
+        now = time.monotonic()
+        outs = [self._finish(self.seqs[seq_id], FinishReason.CANCELLED, now)
+                for seq_id in list(self.groups.get(request_id, ()))]
         self._update_gauges()  # an idle loop takes no further step that would refresh them
-        return out
+        return outs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """After an engine error: every live request gets an ERROR final and the pool is reset."""
@@ -157,15 +160,21 @@ class LLMEngine:
         if self.step_hook is not None:
             self.step_hook()
         timer.lap("schedule")
+        if self.block_manager.pending_copies:  # copy-on-write of blocks that forked samples shared
+            self.runner.copy_blocks(self.block_manager.pending_copies)
+            self.block_manager.pending_copies = []
         logits, sample_seqs = self.runner.execute(sched.scheduled)
         self.scheduler.advance(sched.scheduled)
         outputs = []
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
-            tops = self._top_logprobs(logits, sample_seqs, sampled.token_ids)
+            tokens, logprobs = list(sampled.token_ids), list(sampled.logprobs)
+            if any(not seq.forked for seq in sample_seqs):
+                logits, sample_seqs = self._fork_samples(logits, sample_seqs, tokens, logprobs)
+            tops = self._top_logprobs(logits, sample_seqs, tokens)
             timer.lap("sample")
             now = time.monotonic()
-            for seq, token, logprob, top in zip(sample_seqs, sampled.token_ids, sampled.logprobs, tops):
+            for seq, token, logprob, top in zip(sample_seqs, tokens, logprobs, tops):
                 outputs.append(self._on_token(seq, token, logprob, top, now))
             timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         self._record_prefix_stats()
@@ -173,6 +182,37 @@ class LLMEngine:
         self._update_gauges()
         timer.end_step()
         return outputs
+
+    def _fork_samples(self, logits, seqs: list[Sequence], tokens: list[int], logprobs: list[float]):
+        """A request with n > 1 has just computed its prompt: start its other n - 1 samples now, sharing the
+        prompt's KV blocks, each drawing its first token from the same logits row. Returns the logits and the
+        sequences with the new samples' rows appended (tokens and logprobs are extended in place)."""
+        rows, children = [], []
+        for row, parent in enumerate(seqs):
+            if parent.forked:
+                continue
+            parent.forked = True
+            p = parent.params
+            for i in range(1, p.n):
+                # A seeded request's samples differ, and each is reproducible: sample i draws from seed + i.
+                params = dataclasses.replace(p, seed=None if p.seed is None else (p.seed + i) % 2**64)
+                child = Sequence(f"{parent.request_id}/{i}", parent.prompt_token_ids, params, parent.max_tokens,
+                                 parent.priority, parent.arrival_time, parent.prompt)
+                child.group_id, child.sample_index, child.forked = parent.group_id, i, True
+                child.bad_word_ids = parent.bad_word_ids
+                child.first_scheduled_time = parent.first_scheduled_time
+                self.scheduler.fork(parent, child)
+                self.seqs[child.request_id] = child
+                self.groups[parent.group_id].append(child.request_id)
+                rows.append(row)
+                children.append(child)
+        if not children:
+            return logits, seqs
+        child_logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        sampled = self.sampler(child_logits, children, self.eos_token_ids)
+        tokens += sampled.token_ids
+        logprobs += sampled.logprobs
+        return torch.cat([logits, child_logits]), seqs + children
 
     def _top_logprobs(self, logits, seqs: list[Sequence], tokens: list[int]) -> list:
         """Per row: the top-k entries (logprobs.top_logprobs) for rows that asked for logprobs, else None."""
@@ -213,9 +253,9 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is not None:
             return self._finish(seq, reason, now, [token], stop_string_matched, logprobs)
-        return RequestOutput(seq.request_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
+        return RequestOutput(seq.group_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
                              num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                             cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs)
+                             cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs, index=seq.sample_index)
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float, new_token_ids: list[int] | None = None,
                 stop_string_matched: bool = False, logprobs: list | None = None) -> RequestOutput:
@@ -226,10 +266,14 @@ class LLMEngine:
         seq.finish_time = now
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
+        samples = self.groups[seq.group_id]
+        samples.remove(seq.request_id)
+        if not samples:
+            del self.groups[seq.group_id]
         self.metrics.on_finish(seq, now)
-        return RequestOutput(seq.request_id, new_token_ids or [], self.detokenizer.take_delta(seq, finished=True),
+        return RequestOutput(seq.group_id, new_token_ids or [], self.detokenizer.take_delta(seq, finished=True),
                              True, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
-                             seq.error, logprobs)
+                             seq.error, logprobs, seq.sample_index)
 
     def _record_prefix_stats(self) -> None:
         bm = self.block_manager
@@ -306,9 +350,7 @@ class EngineLoop:
                 except InvalidRequestError as e:  # duplicate id: only this request fails
                     outs.append(RequestOutput(payload.request_id, [], "", True, FinishReason.ERROR, error=str(e)))
             elif kind == "abort":
-                out = self.engine.abort_request(payload)
-                if out is not None:
-                    outs.append(out)
+                outs += self.engine.abort_request(payload)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -337,6 +379,6 @@ class EngineLoop:
                 self._deliver(outs)
         # Shutdown: whatever is still queued or running gets its final response.
         self._drain_inbox(block=False)
-        outs = [o for o in (self.engine.abort_request(rid) for rid in list(self.engine.seqs)) if o]
+        outs = [o for rid in list(self.engine.groups) for o in self.engine.abort_request(rid)]
         if outs:
             self._deliver(outs)

@@ -19,6 +19,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0
+    index: int = 0  # which of the request's n samples
+    samples: list["CompletionOutput"] = field(default_factory=list)  # all n of them, this one first
 
 
 class LLM:
@@ -39,22 +41,25 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one or one each")
-        results: dict[str, CompletionOutput] = {}
+        results: dict[tuple[str, int], CompletionOutput] = {}
         order = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = f"offline-{next(self._ids)}"
-            seq = self.engine.add_request(rid, prompt, p or SamplingParams(),
-                                          priorities[i] if priorities else 0)
-            results[rid] = CompletionOutput(rid, list(seq.prompt_token_ids))
+            p = p or SamplingParams()
+            seq = self.engine.add_request(rid, prompt, p, priorities[i] if priorities else 0)
+            samples = [CompletionOutput(rid, list(seq.prompt_token_ids), index=k) for k in range(p.n)]
+            for k, sample in enumerate(samples):
+                sample.samples = samples
+                results[rid, k] = sample
             order.append(rid)
-        with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(results), desc="generate", unit="sample", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    res = results[out.request_id]
+                    res = results[out.request_id, out.index]
                     res.token_ids.extend(out.new_token_ids)
                     res.text += out.text_delta
                     if out.finished:
                         res.finish_reason = out.finish_reason
                         res.cumulative_logprob = out.cumulative_logprob
                         bar.update(1)
-        return [results[rid] for rid in order]
+        return [results[rid, 0] for rid in order]

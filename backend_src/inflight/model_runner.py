@@ -106,6 +106,13 @@ class ModelRunner:
         self.k_cache, self.v_cache = self._new_kv_tensors(num_blocks)
         return list(zip(self.k_cache, self.v_cache))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV blocks (source, destination), every layer: copy-on-write of blocks that forked samples shared."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in (self.k_cache, self.v_cache):  # [layers, blocks, block_size, kv_heads, head_dim]
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Flat inputs for the batch, and the indices of the tokens whose logits are needed."""
         input_ids, positions, slots, sample_idx, sample_seqs = [], [], [], [], []

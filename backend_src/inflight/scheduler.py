@@ -56,6 +56,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start another sample of the parent's request beside it, sharing its computed prompt."""
+        self.bm.fork(parent, child)
+        child.is_fast_lane = parent.is_fast_lane
+        child.status = SequenceStatus.RUNNING
+        child.admit_index = next(self._admit_counter)
+        self.running.append(child)
+
     def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """After the forward: the scheduled tokens' KV is in the cache, and blocks it filled become shareable."""
         for seq, num_new in scheduled:
@@ -123,6 +131,8 @@ class Scheduler:
         for seq in queue:
             if len(self.running) >= self.config.max_num_seqs or (budget - used <= 0 and not admit_past_budget):
                 break
+            if not seq.forked and len(self.running) + seq.params.n > self.config.max_num_seqs:
+                continue  # its samples will fork into running slots: they must all fit
             hit_ids = self.bm.lookup_prefix(seq)
             num_hit_blocks = len(hit_ids)
             num_cached = num_hit_blocks * self.bm.block_size

@@ -94,6 +94,11 @@ class Sequence:
         # draws the same noise whatever shares its batch.
         self.bad_word_ids: list[list[int]] = []
         self.generator = None  # torch.Generator | None; kept untyped so this module needs no torch import
+        # Samples of one request (SamplingParams.n): the first sequence carries the request's id; once its prompt
+        # is computed it forks the others, which share its KV blocks (block_manager.fork) and its group_id.
+        self.group_id = request_id
+        self.sample_index = 0
+        self.forked = params.n == 1
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -151,3 +156,4 @@ class RequestOutput:
     cumulative_logprob: float = 0.0
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    index: int = 0  # which of the request's n samples (request_id names the request, not the sample)

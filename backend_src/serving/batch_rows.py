@@ -31,6 +31,22 @@ def split_rows(inputs: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     return [{name: np.asarray(array)[b] for name, array in inputs.items()} for b in range(batch)]
 
 
+_SAMPLING_CHOICES = ("top_k", "runtime_top_k", "top_p", "runtime_top_p")
+
+
+def with_trtllm_defaults(row: dict[str, np.ndarray], parameters: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """TensorRT-LLM's defaults where its client left a field out: the prompt leads a non-streamed output
+    (exclude_input_in_output false), and decoding is greedy unless top_k or top_p asks for sampling (its
+    temperature alone samples nothing)."""
+    row = dict(row)
+    given = set(row) | set(parameters)
+    if "exclude_input_in_output" not in given:
+        row["exclude_input_in_output"] = np.array([False])
+    if not given & set(_SAMPLING_CHOICES) and "sampling_parameters" not in given:
+        row["temperature"] = np.array([0.0], dtype=np.float32)
+    return row
+
+
 def row_outputs(outputs: Mapping[str, np.ndarray], batch_index: int, sample: int = 0) -> dict[str, np.ndarray]:
     """One `llm` response (1-D outputs, an element per sample) -> one TensorRT-LLM response for `sample` of
     row `batch_index`."""
@@ -38,8 +54,8 @@ def row_outputs(outputs: Mapping[str, np.ndarray], batch_index: int, sample: int
            "sequence_index": np.array([[sample]], dtype=np.int32)}
     for name, array in outputs.items():
         array = np.asarray(array)
-        if name == "output_log_probs":  # [tokens] of one sample -> [1, beam 1, tokens]
-            out[name] = array.reshape(1, 1, -1)
+        if name == "output_log_probs":  # [samples, tokens] -> this sample's [1, beam 1, tokens]
+            out[name] = array.reshape(-1, array.shape[-1])[sample].reshape(1, 1, -1)
         elif name == "cum_log_probs":  # [1, beam 1]
             out[name] = array.reshape(-1)[sample:sample + 1].reshape(1, 1)
         else:  # text_output and the rest: [1], this sample's element

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from inflight.fields import InvalidRequestError
 
-from .batch_rows import row_outputs, split_rows, stack_rows
+from .batch_rows import row_outputs, split_rows, stack_rows, with_trtllm_defaults
 from .contract import OUTPUTS
 from .errors import INTERNAL, INVALID_ARG, RequestError
 from .triton_glue import IPC_LOCK, error_response, read_inputs
@@ -90,7 +90,7 @@ class BlsFront:
     def _rows(self, request) -> list[_Row]:
         inputs, parameters = read_inputs(request, self.input_names)
         client_id = request.request_id() or "request"
-        return [_Row(b, row, f"{client_id}/bls{next(self._ids)}", parameters)
+        return [_Row(b, with_trtllm_defaults(row, parameters), f"{client_id}/bls{next(self._ids)}", parameters)
                 for b, row in enumerate(split_rows(inputs))]
 
     # ---- decoupled --------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ INPUT_NAMES = ("text_input", "sampling_parameters", *(name for name, _, _ in inp
 KEY_NAMES = tuple(sorted(BY_NAME))
 
 # What a response may carry: (name, Triton type). Optional ones only when the request asked for them. Each has
-# one element per sample of the request (n), so a vLLM client reads output[i] for sample i.
+# one element per sample of the request (n), so a vLLM client reads output[i] for sample i; output_log_probs
+# is [samples, tokens] (OUTPUT_DIMS).
 OUTPUTS = (("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"), ("num_input_tokens", "TYPE_UINT32"),
            ("num_output_tokens", "TYPE_UINT32"), ("cumulative_logprob", "TYPE_FP32"), ("logprobs", "TYPE_STRING"),
            ("cum_log_probs", "TYPE_FP32"), ("output_log_probs", "TYPE_FP32"))
+OUTPUT_DIMS = {"output_log_probs": [-1, -1]}  # the rest: [-1]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from inflight.sequence import RequestOutput
 
 from .contract import parse_request
 from .errors import INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
-from .lifecycle import LiveRequest, RequestIds, Responder, Transport, UnloadWatch, send_error
+from .lifecycle import LiveRequest, RequestIds, Responder, Transport, UnloadWatch, by_request, send_error
 from .test_hooks import PARAMETER as FAULT_PARAMETER
 from .test_hooks import FaultInjector, parse_fault
 
@@ -160,23 +160,26 @@ class InflightFrontend:
             self._handle(outs)
 
     def _handle(self, outs: list[RequestOutput]) -> None:
-        for out in outs:
+        for request_id, group in by_request(outs).items():
             try:
-                self._handle_one(out)
+                self._handle_request(request_id, group)
             except Exception:  # noqa: BLE001 - one broken response must not stop the others
-                log.exception("sending a response for %s failed", out.request_id)
+                log.exception("sending a response for %s failed", request_id)
 
-    def _handle_one(self, out: RequestOutput) -> None:
-        if out.finished:
-            with self._lock:
-                live = self._inflight.pop(out.request_id, None)
-            if live is not None:  # out of the map: this is the last touch of its sender
-                self.responder.finish(live, out, shutting_down=self._closing.is_set())
-            return
+    def _handle_request(self, request_id: str, outs: list[RequestOutput]) -> None:
         with self._lock:
-            live = self._inflight.get(out.request_id)
-            if live is not None:
-                self.responder.progress(live, out)
+            live = self._inflight.get(request_id)
+            if live is None:
+                return
+            self.responder.absorb(live, outs, shutting_down=self._closing.is_set())
+            over = self.responder.is_over(live)
+            if not over:
+                self.responder.flush(live)
+                return
+            del self._inflight[request_id]
+        if not all(s.finish_reason for s in live.samples):  # a sample failed: its siblings go too
+            self.loop.abort_request(request_id)
+        self.responder.flush(live)  # out of the map: this is the last touch of its sender
 
     # ---- cancellation ------------------------------------------------------------------------------
     def _poll_cancellations(self) -> None:

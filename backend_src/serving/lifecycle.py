@@ -32,18 +32,32 @@ class Transport(Protocol):
 
 
 @dataclass
+class Sample:
+    """One of a request's n samples, between responses."""
+    text: str = ""  # not yet sent (streaming), or the whole output so far (not streaming)
+    token_ids: list[int] = field(default_factory=list)  # likewise
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, when the request asked for logprobs
+    finish_reason: FinishReason | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
 class LiveRequest:
     """A request between its acceptance and its final response."""
     internal_id: str  # unique per engine; client ids may be empty or repeat
     client_id: str
     sender: Any
     req: ParsedRequest
-    text: str = ""  # not streaming: the whole output so far
-    token_ids: list[int] = field(default_factory=list)  # tokens not yet sent (all of them when not streaming)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs, when the request asked for logprobs
+    samples: list[Sample] = field(default_factory=list)
+    num_prompt_tokens: int = 0
     num_responses: int = 0
     abort_reason: str | None = None  # set once an abort was asked for, and why
+    error: RequestError | None = None  # what ended the request, when it did not finish
     done: bool = False  # the final went out: the sender must never be touched again
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [Sample() for _ in range(self.req.params.n)]
 
 
 class RequestIds:
@@ -56,8 +70,10 @@ class RequestIds:
         return f"{client_id or 'request'}#{next(self._counter)}"
 
 
-def _bytes_tensor(text: str) -> np.ndarray:
-    return np.array([text.encode("utf-8")], dtype=np.object_)
+def _padded(rows: list[list[float]]) -> np.ndarray:
+    """[samples, tokens], shorter rows padded with 0 (TensorRT-LLM pads its beams the same way)."""
+    width = max(len(r) for r in rows)
+    return np.array([r + [0.0] * (width - len(r)) for r in rows], dtype=np.float32)
 
 
 class Responder:
@@ -70,71 +86,82 @@ class Responder:
         self.transport = transport
         self.with_token_ids = with_token_ids
 
-    def progress(self, live: LiveRequest, out: RequestOutput) -> None:
-        """A non-final engine output: stream its text now, or keep it for the final response."""
-        live.token_ids += out.new_token_ids
-        live.logprobs += out.logprobs or []
-        if not live.req.stream:
-            live.text += out.text_delta
-            return
-        if not out.text_delta:
-            return  # held-back bytes of a partial character: no empty responses
-        outputs = self.outputs(live, out, out.text_delta, final=False)
-        live.token_ids, live.logprobs = [], []
-        live.num_responses += 1
-        try:
-            self.transport.send(live.sender, outputs, final=False)
-        except Exception:  # noqa: BLE001 - e.g. the client went away; its final still follows
-            log.exception("sending a response for %s failed", live.internal_id)
+    def absorb(self, live: LiveRequest, outs: list[RequestOutput], shutting_down: bool = False) -> None:
+        """One engine step's outputs for this request (one per sample that advanced); sends nothing."""
+        for out in outs:
+            if out.finish_reason == FinishReason.ERROR:
+                live.error = live.error or RequestError(out.error or "engine error", INTERNAL)
+                continue
+            if out.finish_reason == FinishReason.CANCELLED:
+                why = live.abort_reason or ("cancelled: the server is shutting down" if shutting_down else "cancelled")
+                live.error = live.error or RequestError(f"request {why}", CANCELLED)
+                continue
+            sample = live.samples[out.index]
+            sample.text += out.text_delta
+            sample.token_ids += out.new_token_ids
+            sample.logprobs += out.logprobs or []
+            sample.cumulative_logprob = out.cumulative_logprob
+            live.num_prompt_tokens = out.num_prompt_tokens
+            if out.finished:
+                sample.finish_reason = out.finish_reason
 
-    def finish(self, live: LiveRequest, out: RequestOutput, shutting_down: bool = False) -> None:
-        """The final engine output: the last response, or the error that ended the request."""
-        if out.finish_reason == FinishReason.ERROR:
-            self.fail(live, RequestError(out.error or "engine error", INTERNAL))
+    @staticmethod
+    def is_over(live: LiveRequest) -> bool:
+        """Every sample finished, or something ended the request: the next flush is its final."""
+        return live.error is not None or all(s.finish_reason is not None for s in live.samples)
+
+    def flush(self, live: LiveRequest) -> None:
+        """Send what is due: the final (data or error) once the request is over, else, when streaming, the
+        text the samples added (a step that completed no character sends nothing)."""
+        if live.error is not None:
+            self.fail(live, live.error)
             return
-        if out.finish_reason == FinishReason.CANCELLED:
-            why = live.abort_reason or ("cancelled: the server is shutting down" if shutting_down else "cancelled")
-            self.fail(live, RequestError(f"request {why}", CANCELLED))
+        final = self.is_over(live)
+        if not final and (not live.req.stream or not any(s.text for s in live.samples)):
             return
-        live.token_ids += out.new_token_ids
-        live.logprobs += out.logprobs or []
-        text = out.text_delta if live.req.stream else live.text + out.text_delta
-        outputs = self.outputs(live, out, text, final=True)
-        live.done = True
+        outputs = self.outputs(live, final)
+        if live.req.stream:
+            for s in live.samples:
+                s.text, s.token_ids, s.logprobs = "", [], []
+        live.num_responses += 1
+        live.done = final
         try:
-            self.transport.send(live.sender, outputs, final=True)
-        except Exception as e:  # noqa: BLE001 - e.g. an output too large: the request still ends
-            log.exception("final response for %s failed", live.internal_id)
-            live.done = False
-            self.fail(live, RequestError(f"internal error: {type(e).__name__}: {e}", INTERNAL))
+            self.transport.send(live.sender, outputs, final=final)
+        except Exception as e:  # noqa: BLE001 - the client went away, or an output too large
+            log.exception("sending a response for %s failed", live.internal_id)
+            if final:  # the request still ends, once
+                live.done = False
+                self.fail(live, RequestError(f"internal error: {type(e).__name__}: {e}", INTERNAL))
 
     def fail(self, live: LiveRequest, error: RequestError) -> None:
         live.done = True
         send_error(self.transport, live.sender, error, live.client_id)
 
-    def outputs(self, live: LiveRequest, out: RequestOutput, text: str, final: bool) -> dict[str, np.ndarray]:
-        """One response's tensors; the optional ones, on every response, only when the request asked for them.
-        Token counts and log-probabilities cover the tokens this response carries (all of them when not
-        streaming), as in vLLM's backend."""
-        req = live.req
-        if not req.stream and not req.exclude_input_in_output:
-            text = req.prompt + text  # the prompt leads a whole output; a stream never repeats it (both peers)
-        outputs = {"text_output": _bytes_tensor(text)}
+    def outputs(self, live: LiveRequest, final: bool) -> dict[str, np.ndarray]:
+        """One response's tensors, an element per sample (vLLM's layout for n); the optional ones, on every
+        response, only when the request asked for them. Token counts and log-probabilities cover the tokens this
+        response carries (all of them when not streaming), as in vLLM's backend."""
+        req, samples = live.req, live.samples
+        # The prompt leads a whole output; a stream never repeats it (both peers).
+        prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
+        outputs = {"text_output": np.array([(prefix + s.text).encode("utf-8") for s in samples], dtype=np.object_)}
         if self.with_token_ids:
-            outputs["output_ids"] = np.array(live.token_ids, dtype=np.int32)
-        if req.return_finish_reason:  # vLLM's backend says "None" until the request finishes
-            outputs["finish_reason"] = _bytes_tensor(out.finish_reason.openai if final else "None")
+            outputs["output_ids"] = np.array([t for s in samples for t in s.token_ids], dtype=np.int32)
+        if req.return_finish_reason:  # vLLM's backend says "None" until a sample finishes
+            outputs["finish_reason"] = np.array([(s.finish_reason.openai if s.finish_reason else "None").encode()
+                                                 for s in samples], dtype=np.object_)
         if req.return_num_input_tokens:
-            outputs["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
+            outputs["num_input_tokens"] = np.array([live.num_prompt_tokens], dtype=np.uint32)
         if req.return_num_output_tokens:
-            outputs["num_output_tokens"] = np.array([len(live.token_ids)], dtype=np.uint32)
+            outputs["num_output_tokens"] = np.array([len(s.token_ids) for s in samples], dtype=np.uint32)
         if req.return_cumulative_logprob:
-            outputs["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
+            outputs["cumulative_logprob"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
         if req.return_logprobs:
-            outputs["logprobs"] = _bytes_tensor(logprobs_json(live.logprobs) if req.logprobs_requested else "null")
+            outputs["logprobs"] = np.array([(logprobs_json(s.logprobs) if req.logprobs_requested else "null").encode()
+                                            for s in samples], dtype=np.object_)
         if req.return_log_probs:  # TensorRT-LLM's names
-            outputs["cum_log_probs"] = np.array([out.cumulative_logprob], dtype=np.float32)
-            outputs["output_log_probs"] = np.array([t.logprob for t in live.logprobs], dtype=np.float32)
+            outputs["cum_log_probs"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
+            outputs["output_log_probs"] = _padded([[t.logprob for t in s.logprobs] for s in samples])
         return outputs
 
     def is_cancelled(self, live: LiveRequest) -> bool:
@@ -152,6 +179,14 @@ def logprobs_json(tokens: list[TokenLogprobs]) -> str:
     return json.dumps([{str(tid): {"logprob": lp, "rank": rank, "decoded_token": text}
                         for tid, (lp, rank, text) in sorted(t.top.items(), key=lambda kv: kv[1][1])}
                        for t in tokens])
+
+
+def by_request(outs: list[RequestOutput]) -> dict[str, list[RequestOutput]]:
+    """A step's outputs grouped by request (a request's samples advance in the same step), in order."""
+    groups: dict[str, list[RequestOutput]] = {}
+    for out in outs:
+        groups.setdefault(out.request_id, []).append(out)
+    return groups
 
 
 def send_error(transport: Transport, sender: Any, error: RequestError, client_id: str = "") -> None:

@@ -74,7 +74,7 @@ def test_tensorrt_llm_log_probs(frontend):
     s = run(frontend, max_tokens=5, ignore_eos=True, temperature=0.7, seed=3, return_log_probs=True)
     (outputs, _, _), = s.events
     per_token = outputs["output_log_probs"]
-    assert per_token.shape == (5,) and (per_token <= 0).all()
+    assert per_token.shape == (1, 5) and (per_token <= 0).all()  # [samples, tokens]
     assert math.isclose(float(outputs["cum_log_probs"][0]), float(per_token.sum()), rel_tol=1e-4)
 
 
@@ -109,3 +109,19 @@ def test_a_model_without_a_chat_template_refuses_it_by_name(engine):
 
     with pytest.raises(InvalidRequestError, match="apply_chat_template=True is not allowed"):
         PromptEncoder(NoTemplate(), 16, 1024).encode("Hi", chat=True)
+
+
+def test_n_samples_come_back_as_one_element_each(frontend):
+    common = dict(max_tokens=6, ignore_eos=True, temperature=1.0, seed=11, return_finish_reason=True,
+                  return_num_output_tokens=True, sampling_parameters=json.dumps({"n": 3}))
+    streamed = run(frontend, stream=True, **common)
+    whole = run(frontend, **common)
+    (outputs, _, _), = whole.events
+    assert outputs["text_output"].shape == (3,) and outputs["num_output_tokens"].tolist() == [6, 6, 6]
+    assert outputs["finish_reason"].tolist() == [b"length"] * 3
+    texts = ["", "", ""]
+    for o, _, _ in streamed.events:
+        assert o["text_output"].shape == (3,)
+        for i, t in enumerate(o["text_output"]):
+            texts[i] += t.decode()
+    assert texts == [t.decode() for t in outputs["text_output"]] and len(set(texts)) == 3
