@@ -27,7 +27,7 @@ class ClientGone(Exception):
 
 
 class Accumulated:
-    """Running totals over a request's deltas. We always stream from Triton, and a streamed response's
+    """Running totals over one choice's deltas. We always stream from Triton, and a streamed response's
     num_output_tokens counts the tokens it carries (they add up to the total, as in vLLM's backend);
     num_input_tokens repeats the prompt length, so the latest one is kept."""
 
@@ -48,8 +48,23 @@ class Accumulated:
     def text(self) -> str:
         return "".join(self.parts)
 
+
+class Choices:
+    """The request's n choices, by index."""
+
+    def __init__(self, n: int, prefix: str = ""):
+        self.all = [Accumulated(prefix) for _ in range(n)]
+
+    def add(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            self.all[delta.index].add(delta)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.all)
+
     def usage(self) -> dict[str, int]:
-        return usage(self.num_input, self.num_output)
+        return usage(self.all[0].num_input, sum(c.num_output or 0 for c in self.all))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -76,27 +91,33 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> Any:
     raise ClientGone()
 
 
-async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: Delta,
-                       deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: list[Delta],
+                       deltas: AsyncIterator[list[Delta]]) -> AsyncIterator[str]:
     # Starlette cancels this generator when the client disconnects (its listen_for_disconnect task);
     # aclosing then closes `deltas`, whose cleanup cancels the gRPC call of an unfinished request.
     async with aclosing(deltas):
-        acc = Accumulated()
+        choices = Choices(req.n)
         try:
             if req.is_chat:
-                yield sse(builder.role_chunk())
-            delta, prefix = first, (req.prompt if req.echo else "")
+                for i in range(req.n):
+                    yield sse(builder.role_chunk(i))
+            step, prefix = first, (req.prompt if req.echo else "")
+            echoed = set()
             while True:
-                acc.add(delta)
-                text, prefix = prefix + delta.text, ""
-                if delta.finish_reason:
-                    yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason)))
+                choices.add(step)
+                for delta in step:
+                    head = prefix if delta.index not in echoed else ""
+                    echoed.add(delta.index)
+                    text = head + delta.text
+                    if delta.finish_reason:
+                        yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index))
+                    elif text:
+                        yield sse(builder.chunk(text, index=delta.index))
+                if choices.finished:
                     if req.include_usage:
-                        yield sse(builder.usage_chunk(acc.usage()))
+                        yield sse(builder.usage_chunk(choices.usage()))
                     break
-                if text:
-                    yield sse(builder.chunk(text))
-                delta = await anext(deltas)
+                step = await anext(deltas)
         except APIError as e:
             # Headers (200) are gone already; OpenAI's clients raise on an event that carries "error".
             log.warning("stream %s failed: %s", builder.id, e.message)
@@ -125,15 +146,16 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
             return StreamingResponse(_stream_body(builder, req, first, deltas), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
-        async def collect() -> Accumulated:
-            acc = Accumulated(req.prompt if req.echo else "")
-            acc.add(first)
-            while acc.finish_reason is None:
-                acc.add(await anext(deltas))
-            return acc
+        async def collect() -> Choices:
+            choices = Choices(req.n, req.prompt if req.echo else "")
+            choices.add(first)
+            while not choices.finished:
+                choices.add(await anext(deltas))
+            return choices
 
-        acc = await _unless_disconnected(request, collect())
-        return JSONResponse(builder.full(acc.text, openai_finish_reason(acc.finish_reason), acc.usage()))
+        choices = await _unless_disconnected(request, collect())
+        return JSONResponse(builder.full([(c.text, openai_finish_reason(c.finish_reason)) for c in choices.all],
+                                         choices.usage()))
     except ClientGone:
         log.info("client left %s before its answer; request cancelled", builder.id)
         return Response(status_code=499)

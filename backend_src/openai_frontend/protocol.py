@@ -36,6 +36,10 @@ class GenerationRequest:
     # (max_tokens above all: OpenAI's legacy default of 16 would silently truncate).
     sampling: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -89,9 +93,6 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
             raise bad_request(f"stream_options.include_usage={include!r} is not a boolean", "stream_options")
         req.include_usage = include
 
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"n={n!r} is not supported: allowed only 1 choice per request", "n")
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 

@@ -38,28 +38,30 @@ class ResponseBuilder:
             head["usage"] = None  # OpenAI sends usage: null on every chunk but the usage chunk
         return head
 
-    def role_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role and no content, as OpenAI's do."""
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant role and no content, as OpenAI's do."""
         return {**self._stream_head(), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         if self.req.is_chat:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._stream_head(), "choices": [choice]}
 
     def usage_chunk(self, usage_block: dict[str, int]) -> dict[str, Any]:
         return {**self._stream_head(), "choices": [], "usage": usage_block}
 
-    def full(self, text: str, finish_reason: str, usage_block: dict[str, int]) -> dict[str, Any]:
+    def full(self, choices: list[tuple[str, str]], usage_block: dict[str, int]) -> dict[str, Any]:
+        """choices: (text, finish reason) per sample, in index order."""
         if self.req.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                    for i, (text, reason) in enumerate(choices)]
             head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage_block}
+        return {**head, "choices": body, "usage": usage_block}

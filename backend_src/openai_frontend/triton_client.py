@@ -124,8 +124,9 @@ class TritonBackend:
         self._models.pop(name, None)
 
     async def generate(self, info: ModelInfo, prompt: str, sampling: dict[str, Any],
-                       request_id: str) -> AsyncIterator[Delta]:
-        """Yield the model's deltas up to and including the final one. Leaving early (client gone, consumer
+                       request_id: str) -> AsyncIterator[list[Delta]]:
+        """Yield each response's deltas (one per sample) up to and including the final response, which finishes
+        the last unfinished sample. Leaving early (client gone, consumer
         cancelled) cancels the gRPC call, which Triton turns into a cancelled request the engine drops at its
         next step. Use with contextlib.aclosing so that happens at once, not at garbage collection."""
         tensors, params = build_request(info, prompt, sampling)
@@ -137,16 +138,21 @@ class TritonBackend:
 
         call = self.client.stream_infer(requests())
         finished = False  # the model sent its final response (data or error)
+        done: set[int] = set()  # samples that finished
         try:
             async for result, error in call:
                 if error is not None:  # an error response is the request's final one
                     finished = True
                     raise from_triton(error.message())
-                delta = parse_response(result.as_numpy)
-                if delta.finish_reason is None and _is_final(result):
-                    delta.finish_reason = "stop"  # a model that does not say why it finished
-                finished = delta.finish_reason is not None
-                yield delta
+                deltas = parse_response(result.as_numpy)
+                final = _is_final(result)
+                for delta in deltas:
+                    if delta.finish_reason is None and final:
+                        delta.finish_reason = "stop"  # a model that does not say why it finished
+                    if delta.finish_reason is not None:
+                        done.add(delta.index)
+                finished = final or len(done) == len(deltas)
+                yield deltas
                 if finished:
                     return
             raise APIError(500, f"model {info.name!r} closed the stream without a final response")

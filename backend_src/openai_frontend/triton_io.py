@@ -126,28 +126,29 @@ class Delta:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    index: int = 0  # which of the request's n samples (OpenAI's choice index)
 
 
-def parse_response(get: Any) -> Delta:
-    """`get(name)` returns the output as a numpy array or None (InferResult.as_numpy)."""
-    def scalar(name: str) -> Any:
+def parse_response(get: Any) -> list[Delta]:
+    """One Delta per sample of the response: each output holds an element per sample (n); `get(name)` returns
+    the output as a numpy array or None (InferResult.as_numpy)."""
+    def column(name: str) -> list:
         arr = get(name)
-        if arr is None or arr.size == 0:
-            return None
-        return arr.reshape(-1)[0]
+        return [] if arr is None else list(arr.reshape(-1))
 
-    def text(name: str) -> str | None:
-        v = scalar(name)
-        if v is None:
-            return None
+    def text(v: Any) -> str:
         return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
-    n_in, n_out = scalar("num_input_tokens"), scalar("num_output_tokens")
-    reason = text("finish_reason")
-    # vLLM's convention, which our models follow: finish_reason "None" on every response before the last.
-    return Delta(text=text("text_output") or "", finish_reason=None if reason in (None, "", "None") else reason,
-                 num_input_tokens=None if n_in is None else int(n_in),
-                 num_output_tokens=None if n_out is None else int(n_out))
+    texts, reasons, n_out = column("text_output"), column("finish_reason"), column("num_output_tokens")
+    n_in = column("num_input_tokens")
+    deltas = []
+    for i, t in enumerate(texts or [b""]):
+        # vLLM's convention, which our models follow: finish_reason "None" until that sample finishes.
+        reason = text(reasons[i]) if i < len(reasons) else None
+        deltas.append(Delta(text=text(t), finish_reason=None if reason in (None, "", "None") else reason,
+                            num_input_tokens=int(n_in[0]) if n_in else None,
+                            num_output_tokens=int(n_out[i]) if i < len(n_out) else None, index=i))
+    return deltas
 
 
 # The model's finish reasons -> OpenAI's. eos and stop strings are both "stop" to OpenAI; cancelled and

@@ -344,3 +344,19 @@ def test_serve_script_runs_the_openai_api_beside_tritonserver(tmp_path):
         assert r.usage.completion_tokens == 3
     assert "stopped cleanly" in log_path.read_text()
     assert not Path(f"/proc/{frontend_pid}").exists()
+
+
+# ---- n choices ------------------------------------------------------------------------------------
+
+def test_n_choices_whole_and_streamed(client):
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, n=3, seed=5,
+                                  temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    assert r.usage.completion_tokens == 24 and all(c.finish_reason == "length" for c in r.choices)
+    texts, finishes = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, n=2, seed=5,
+                                                temperature=1.0, stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert all(texts) and finishes == ["length", "length"]

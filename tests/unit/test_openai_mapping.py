@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from openai_frontend.app import Accumulated, create_app
+from openai_frontend.app import Choices, create_app
 from openai_frontend.errors import APIError, from_triton
 from openai_frontend.protocol import parse_chat, parse_completion
 from openai_frontend.responses import DONE, ResponseBuilder, sse
@@ -65,7 +65,7 @@ def test_sampling_fields_map_to_contract_names_and_types():
     ({"top_k": 2.5}, "top_k"),
     ({"max_tokens": True}, "max_tokens"),
     ({"stop": [1, 2]}, "stop"),
-    ({"n": 2}, "n"),
+    ({"n": 2.5}, "n"),
     ({"logprobs": 1}, "logprobs"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
@@ -173,9 +173,15 @@ def test_parse_response_reads_optional_outputs():
     outs = {"text_output": np.array([b"ab\xc3\xa9"], dtype=object),
             "finish_reason": np.array([b"length"], dtype=object),
             "num_input_tokens": np.array([5], dtype=np.int32), "num_output_tokens": np.array([[3]], dtype=np.int32)}
-    d = parse_response(outs.get)
-    assert d == Delta("abé", "length", 5, 3)
-    assert parse_response({"text_output": np.array([b"x"], dtype=object)}.get) == Delta("x", None, None, None)
+    assert parse_response(outs.get) == [Delta("abé", "length", 5, 3)]
+    assert parse_response({"text_output": np.array([b"x"], dtype=object)}.get) == [Delta("x", None, None, None)]
+
+
+def test_parse_response_splits_samples_and_reads_none_as_unfinished():
+    outs = {"text_output": np.array([b"a", b"b"], dtype=object),
+            "finish_reason": np.array([b"None", b"length"], dtype=object),
+            "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([1, 2], dtype=np.uint32)}
+    assert parse_response(outs.get) == [Delta("a", None, 4, 1, 0), Delta("b", "length", 4, 2, 1)]
 
 
 def test_finish_reasons_map_to_openai():
@@ -239,21 +245,24 @@ def test_completion_bodies_and_no_usage_key_without_include_usage():
     b = ResponseBuilder(req)
     c = b.chunk("t")
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t" and "usage" not in c
-    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full("out", "stop", {"x": 1})
+    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full([("out", "stop")], {"x": 1})
     assert full["choices"][0] == {"index": 0, "text": "out", "logprobs": None, "finish_reason": "stop"}
     chat = ResponseBuilder(parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
-    body = chat.full("hi", "stop", {})
+    body = chat.full([("hi", "stop"), ("yo", "length")], {})
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["choices"][1]["message"]["content"] == "yo"
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
                                                                                      "content": "hi"}
 
 
-def test_accumulated_sums_streamed_output_counts_and_keeps_echo_prefix():
-    acc = Accumulated("prompt ")
-    acc.add(Delta("a", None, 4, 1))
-    acc.add(Delta("", None, None, None))
-    acc.add(Delta("bc", "eos", 4, 2))  # a response carrying two tokens (a held-back multi-byte character)
-    assert acc.text == "prompt abc" and acc.finish_reason == "eos"
-    assert acc.usage() == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+def test_choices_sum_streamed_output_counts_and_keep_echo_prefix():
+    choices = Choices(2, "prompt ")
+    choices.add([Delta("a", None, 4, 1, 0), Delta("x", None, 4, 1, 1)])
+    choices.add([Delta("", None, None, None, 0)])
+    # a response carrying two tokens (a held-back multi-byte character)
+    choices.add([Delta("bc", "eos", 4, 2, 0), Delta("", "length", 4, 0, 1)])
+    first = choices.all[0]
+    assert first.text == "prompt abc" and first.finish_reason == "eos" and choices.finished
+    assert choices.usage() == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
 
 
 # ---- HTTP layer without a server: refusals happen before any gRPC call -------------------------------
@@ -269,7 +278,7 @@ def test_http_bad_json_and_bad_params_are_openai_shaped_400(http):
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                "n": 3})
+                                                "n": "three"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
