@@ -1,0 +1,64 @@
+"""The README's examples, run as a reader would run them, against the real default model: every command of
+its first example block, and its first client command, must answer with text (an instruct model given a raw
+question can answer with nothing at all, which is what this guards against)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from engine_helpers import MODEL_REPOSITORY, SMOLLM2
+from server_harness.repository import copy_model
+from server_harness.server import TritonServer
+
+ROOT = MODEL_REPOSITORY.parent
+pytestmark = pytest.mark.timeout(600)
+
+
+def readme_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Examples"):]
+    return re.findall(r"```sh\n(.*?)```", section, re.S)
+
+
+def commands(block: str) -> list[str]:
+    """Shell commands of a block: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("readme") / "repo"
+    copy_model(MODEL_REPOSITORY, "llm", repo, params={"model": SMOLLM2, "num_kv_blocks": 256})
+    copy_model(MODEL_REPOSITORY, "ensemble", repo)
+    with TritonServer(repo, log_path=repo.parent / "server.log") as srv:
+        yield srv
+    assert srv.leftovers() == []
+
+
+def answer_text(output: str) -> str:
+    """text_output of a generate answer, or of every event of a generate_stream answer, joined."""
+    events = [json.loads(line[len("data: "):]) for line in output.splitlines() if line.startswith("data: ")]
+    return "".join(e["text_output"] for e in events) if events else json.loads(output)["text_output"]
+
+
+@pytest.mark.parametrize("index", range(len(commands(readme_blocks()[0]))))
+def test_each_curl_example_answers_with_text(server, index):
+    command = commands(readme_blocks()[0])[index].replace("localhost:8000", server.http_url)
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert answer_text(done.stdout).strip(), f"{command}\n-> {done.stdout}"
+
+
+def test_the_first_client_example_answers_with_text(server):
+    command = commands(readme_blocks()[1])[0]
+    assert command.startswith(".venv/bin/python client/generate.py")
+    args = re.findall(r'"[^"]*"|\S+', command)[2:]
+    done = subprocess.run([sys.executable, str(ROOT / "client" / "generate.py"), "--url", server.grpc_url,
+                           *[a.strip('"') for a in args]], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip().split()) > 5, done.stdout  # a sentence, not an empty answer
