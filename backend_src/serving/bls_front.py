@@ -120,19 +120,19 @@ class BlsFront:
         except Exception as e:  # noqa: BLE001 - this row fails, the request still ends exactly once
             log.exception("BLS call to %s failed", TARGET)
             row.error = f"internal error: {type(e).__name__}: {e}"
+        # The FINAL flag goes on the very last response of the request: a row that ends while others still run
+        # sends its held response under the lock, before counting itself out, so none can follow the final.
         with lock:
+            last_row = remaining[0] == 1
+            error = next((r.error for r in rows if r.error), None) if last_row else None
+            if row.last is not None:
+                self._send(sender, row_outputs(row.last, row.index), final=last_row and error is None)
+            elif last_row and error is None:
+                error = "the engine ended a row without a response"
+            if last_row and error is not None:  # a batch row's error ends the whole request, once
+                code = INVALID_ARG if "allowed" in error and "internal error" not in error else INTERNAL
+                self._send(sender, None, final=True, error=RequestError(error, code))
             remaining[0] -= 1
-            last_row = remaining[0] == 0
-        # Every row but the last to finish sends its held response now; the last one carries FINAL, or, if a
-        # row failed, the error does (a batch row's error ends the whole request, once).
-        error = next((r.error for r in rows if r.error), None) if last_row else None
-        if row.last is not None:
-            self._send(sender, row_outputs(row.last, row.index), final=last_row and error is None)
-        elif last_row and error is None:
-            error = "the engine ended a row without a response"
-        if last_row and error is not None:
-            code = INVALID_ARG if "allowed" in error and "internal error" not in error else INTERNAL
-            self._send(sender, None, final=True, error=RequestError(error, code))
 
     @staticmethod
     def _send(sender, outputs: dict[str, np.ndarray] | None, final: bool, error: RequestError | None = None) -> None:

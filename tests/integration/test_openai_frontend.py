@@ -223,7 +223,7 @@ def test_concurrent_async_requests_all_answered(client, aclient_url):
     ({"temperature": 500}, "temperature=500"),  # the model's own message passed through
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 100000}, "max_model_len"),
-    ({"n": 2}, "n="),
+    ({"n": 100}, "n=100"),  # n itself is supported, up to 16
     ({"logprobs": 2}, "logprobs"),
 ])
 def test_bad_completion_parameters_are_400(client, kwargs, needle):

@@ -25,9 +25,18 @@ def readme_blocks() -> list[str]:
 
 
 def commands(block: str) -> list[str]:
-    """Shell commands of a block: continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n\s*", " ", block)
-    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+    """Shell commands of a block: each starts a line with the program it runs; the lines up to the next one
+    (backslash continuations, a quoted JSON body spread over lines) belong to it. Comments are dropped."""
+    found: list[str] = []
+    for line in block.splitlines():
+        line = line.rstrip().removesuffix("\\").strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith(("curl ", ".venv/")):
+            found.append(line)
+        else:
+            found[-1] += " " + line
+    return found
 
 
 @pytest.fixture(scope="module")
