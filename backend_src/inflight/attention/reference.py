@@ -32,18 +32,19 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, skip_decodes: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
     query: [tokens, q_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]. The queries of
     sequence i are its last query_lens[i] positions, so query j sees keys 0 .. seq_len - query_len + j.
+    skip_decodes leaves the rows of single-token queries unwritten (attention/cpu.py fills them its own way).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
-    starts, decode_rows = _step_layout(meta)
-    if decode_rows:
+    starts, decode_rows = step_layout(meta)
+    if decode_rows and not skip_decodes:
         _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, group, out)
 
     for i, q_len in enumerate(meta.query_lens):
@@ -66,7 +67,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _step_layout(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+def step_layout(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
     """(first token of each sequence in the flat batch, the decode rows): once per step, not per layer."""
     layout = meta.reference_plan.get("layout")
     if layout is None:

@@ -61,12 +61,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+    def project_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k, v [tokens, kv_heads, head_dim], RoPE applied to q and k."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
