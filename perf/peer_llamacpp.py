@@ -75,8 +75,14 @@ def f32_gguf(cache: str, model_dir: str) -> str:
     if os.path.exists(out):
         return out
     src = source_dir(cache)
+    deps = os.path.join(cache, "llama-cpp-convert-deps")
+    if not os.path.isdir(deps):
+        # The converter imports sentencepiece before falling back to the BPE vocab our tokenizer has; it goes
+        # into its own folder, not the project's venv.
+        _run([sys.executable, "-m", "pip", "install", "--target", deps, "sentencepiece"],
+             os.path.join(cache, "llama-cpp-convert.log"))
     tmp = out + ".tmp"
-    env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"), HF_HUB_OFFLINE="1", NO_LOCAL_GGUF="")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(src, "gguf-py"), deps]), HF_HUB_OFFLINE="1")
     _run([sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), model_dir, "--outtype", "f32",
           "--outfile", tmp], os.path.join(cache, "llama-cpp-convert.log"), env=env)
     os.replace(tmp, out)

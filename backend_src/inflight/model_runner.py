@@ -13,6 +13,7 @@ from .config import EngineConfig
 from .cuda_graphs import StaticDecode
 from .kv_sizing import measure_kv_blocks
 from .model import ModelConfig, load_model
+from .model import cpu_forward
 from .model.fused_forward import fused_forward
 from .sequence import Sequence
 from .step_timer import NULL_TIMER
@@ -60,6 +61,8 @@ class ModelRunner:
             raise ValueError(f"{FUSED_OPS_ENV}={choice!r} is not one of auto, 0, 1")
         if choice == "1" or (choice == "auto" and self.is_cuda):
             return functools.partial(fused_forward, self.model)
+        if self.device.type == "cpu" and cpu_forward.compile_choice():
+            return cpu_forward.CompiledCPUForward(self.model)
         return self.model
 
     def enable_static_decode(self, capture: bool) -> None:

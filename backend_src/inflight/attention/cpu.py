@@ -1,9 +1,9 @@
 """CPU paged attention for the compiled CPU forward: one opaque op per layer, decodes without a K/V copy.
 
-The compiled forward (model/cpu_forward.py) is one inductor graph for all layers; attention is the one part
-that depends on host-side, per-step metadata (which rows decode, each sequence's context length and blocks),
-so it is a custom op the graph calls with (q, k, v, layer) and that reads the rest from the step context set
-around the forward. Decode rows attend straight from the paged cache through a small compiled kernel whose
+The compiled forward (model/cpu_forward.py) runs one inductor graph per decoder layer, the same graph for
+every layer; attention is the one part that depends on host-side, per-step metadata (which rows decode, each
+sequence's context length and blocks), so it is a custom op the graph calls with (q, k, v) and that reads the
+rest, the next layer's caches included, from the step context set around the forward. Decode rows attend straight from the paged cache through a small compiled kernel whose
 loads follow the block table (inductor fuses the indexing into the dot products and the weighted sum, so no
 per-sequence copy of K/V is made); prefill chunks, which are compute-bound, keep the reference's SDPA path.
 """
@@ -23,6 +23,9 @@ class StepContext:
     """What the attention op needs beyond its tensor arguments, for one forward."""
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # Layers run in order and call the op once each, so the n-th call of a step is layer n. Counting here
+    # rather than passing the index keeps the index out of the graph, which would otherwise compile per layer.
+    next_layer: int = 0
 
 
 # The one deliberate piece of global state: the step being run by this process's engine thread. Set only by
@@ -86,8 +89,9 @@ def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], bl
 
 
 @torch.library.custom_op("inflight::cpu_attention", mutates_args=())
-def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """Store this step's K/V of `layer` in its cache, then attend; q [tokens, heads, d], k/v [tokens, kv_heads, d].
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Store the next layer's K/V of this step in its cache, then attend; q [tokens, heads, d], k/v [tokens,
+    kv_heads, d].
 
     Declared without mutation on purpose: the caches are not graph values (they come from the step context),
     and nothing else in the graph reads them, so the compiler has nothing to order around.
@@ -96,7 +100,8 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     if ctx is None:
         raise RuntimeError("inflight::cpu_attention runs only inside attention.cpu.step_context()")
     meta = ctx.meta
-    k_cache, v_cache = ctx.kv_caches[layer]
+    k_cache, v_cache = ctx.kv_caches[ctx.next_layer]
+    ctx.next_layer += 1
     reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     starts, rows = reference.step_layout(meta)
     num_blocks, block_size = k_cache.shape[:2]
@@ -114,5 +119,5 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 
 
 @cpu_attention.register_fake
-def _(q, k, v, layer, scale):
+def _(q, k, v, scale):
     return torch.empty_like(q)

