@@ -28,8 +28,7 @@ import cpu_peer_clients as peer_clients
 import peer_llamacpp
 from transformers import AutoTokenizer
 
-from server_harness import TritonServer
-from server_harness.server import free_ports
+from server_harness.server import TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
