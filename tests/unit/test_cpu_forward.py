@@ -99,3 +99,22 @@ def test_compile_switch_and_missing_compiler(monkeypatch):
     monkeypatch.setenv(cpu_forward.COMPILE_ENV, "1")
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     assert cpu_forward.compile_choice() is False
+
+
+def test_a_failed_compile_reruns_the_step_eagerly_and_stays_eager(monkeypatch):
+    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "1")
+    llm = LLM(TINY, num_kv_blocks=32)
+    forward = llm.engine.runner.forward
+    assert isinstance(forward, cpu_forward.CompiledCPUForward)
+
+    def broken(*args):
+        raise torch._dynamo.exc.BackendCompilerFailed(broken, RuntimeError("no toolchain"), None)
+
+    monkeypatch.setattr(forward, "_compiled", broken)
+    prompt = list(range(100, 110))
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert forward.is_eager
+    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "0")
+    eager = LLM(TINY, num_kv_blocks=32)
+    want = eager.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert out[0].token_ids == want[0].token_ids

@@ -13,6 +13,7 @@ INFLIGHT_CPU_COMPILE=0, the runner keeps the eager forward.
 """
 from __future__ import annotations
 
+import locale
 import logging
 import os
 import shutil
@@ -55,14 +56,41 @@ def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 _compiled_layer = torch.compile(_layer, fullgraph=True, dynamic=False)
 
 
+def _utf8_file_encoding() -> None:
+    """Inductor reads its code templates with open()'s default encoding. Python coerces the C locale to UTF-8
+    at startup (PEP 538), but an embedded interpreter (Triton's python-backend stub) does not, so there the
+    default is ASCII and the first compile fails on a non-ASCII template. Do the same coercion here."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    except locale.Error:
+        log.warning("LC_CTYPE is %s and C.UTF-8 is unavailable: compiling may fail (then the forward goes eager)",
+                    locale.setlocale(locale.LC_CTYPE))
+
+
 class CompiledCPUForward:
-    """Called like the model: (input_ids, positions, meta, kv_caches) -> final hidden states [tokens, hidden]."""
+    """Called like the model: (input_ids, positions, meta, kv_caches) -> final hidden states [tokens, hidden].
+
+    If the compiler fails (no working toolchain, a torch bug), the step is rerun eagerly and the forward stays
+    eager from then on: re-storing the step's K/V is harmless, the slots and values are the same."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
+        self.is_eager = False
+        _utf8_file_encoding()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if not self.is_eager:
+            try:
+                return self._compiled(input_ids, positions, meta, kv_caches)
+            except torch._dynamo.exc.BackendCompilerFailed:
+                log.exception("compiling the CPU forward failed: running eagerly from now on")
+                self.is_eager = True
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def _compiled(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         model = self.model
         x = model.embed_tokens(input_ids)
         cos, sin = model.rope_cos_sin(positions)
