@@ -4,8 +4,9 @@ The compiled forward (model/cpu_forward.py) runs one inductor graph per decoder 
 every layer; attention is the one part that depends on host-side, per-step metadata (which rows decode, each
 sequence's context length and blocks), so it is a custom op the graph calls with (q, k, v) and that reads the
 rest, the next layer's caches included, from the step context set around the forward. Decode rows attend
-straight from the paged cache through a small compiled kernel whose loads follow the block table (inductor fuses the indexing into the dot products and the weighted sum, so no
-per-sequence copy of K/V is made); prefill chunks, which are compute-bound, keep the reference's SDPA path.
+straight from the paged cache through a small compiled kernel whose loads follow the block table (inductor
+fuses the indexing into the dot products and the weighted sum, so no per-sequence copy of K/V is made);
+prefill chunks, which are compute-bound, keep the reference's SDPA path.
 """
 from __future__ import annotations
 
