@@ -27,6 +27,7 @@ from .llama import DecoderLayer, LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 COMPILE_ENV = "INFLIGHT_CPU_COMPILE"
+RECOMPILE_LIMIT = 64
 
 
 def compile_choice() -> bool:
@@ -97,7 +98,10 @@ class CompiledCPUForward:
         # One graph for every token count (a single token still gets its own, specialized one).
         for t in (x, cos, sin):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        with cpu_attention.step_context(meta, kv_caches):
+        # Each model shape in a process adds a few graphs (one and many tokens; the decode kernel per cache
+        # layout), and a test process runs several models: dynamo's default limit of 8 per function is too low.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                cpu_attention.step_context(meta, kv_caches):
             for layer in model.layers:
                 x = _compiled_layer(layer, x, cos, sin)
         return model.norm(x)
