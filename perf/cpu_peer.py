@@ -53,10 +53,12 @@ def summarize(records: list[peer_clients.Result], seconds: float) -> dict:
             "ttft_p99_ms": round(percentile(ttft, 0.99), 1), "itl_p50_ms": round(percentile(itl, 0.5), 2)}
 
 
-def measure(client: peer_clients.StreamClient, workload, concurrency: int, single_tokens: int,
+def measure(client: peer_clients.StreamClient, workload, warm_up, concurrency: int, single_tokens: int,
             single_repeats: int) -> dict:
-    warm = [ab_workloads.Request(r.prompt, 4) for r in workload.requests[:concurrency]]
-    peer_clients.run_closed_loop(client, warm, concurrency)  # first calls pay for lazy initialisation
+    # First calls pay for lazy initialisation (our compile, llama.cpp's graph setup). Other prompts than the
+    # measured ones, so neither server's prefix cache starts warm.
+    warm = [ab_workloads.Request(r.prompt, 4) for r in warm_up.requests[:concurrency]]
+    peer_clients.run_closed_loop(client, warm, concurrency)
     t = time.perf_counter()
     records = peer_clients.run_closed_loop(client, workload.requests, concurrency)
     figures = summarize(records, time.perf_counter() - t)
@@ -82,7 +84,7 @@ def run_ours(workload, args) -> dict:
                       log_path=log, startup_timeout_s=900, env=env) as server:
         client = peer_clients.TritonStream(server.grpc_url)
         try:
-            return measure(client, workload, args.concurrency, args.single_tokens, args.single_repeats)
+            return measure(client, workload, args.warm_up, args.concurrency, args.single_tokens, args.single_repeats)
         finally:
             client.close()
 
@@ -112,7 +114,8 @@ def run_llama_cpp(workload, args) -> dict:
                 raise RuntimeError(f"llama-server did not become ready; see {log.name}")
             time.sleep(0.5)
         client = peer_clients.LlamaCppStream(url)
-        figures = measure(client, workload, args.concurrency, args.single_tokens, args.single_repeats)
+        figures = measure(client, workload, args.warm_up, args.concurrency, args.single_tokens,
+                          args.single_repeats)
         figures["command"] = " ".join(Path(c).name if c in (binary, gguf) else c for c in cmd)
         return figures
     finally:
@@ -139,6 +142,7 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
     workload = ab_workloads.build("mixed", tokenizer, args.scale, args.requests)
+    args.warm_up = ab_workloads.build("mixed", tokenizer, args.scale, args.concurrency, seed=1)
     load = [round(x, 2) for x in os.getloadavg()]
     result: dict = {"workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
                                  "concurrency": args.concurrency, "outputs": sorted(set(workload.output_lengths)),
