@@ -15,8 +15,10 @@ ratios; --json writes {"ours": {...}, "llama_cpp": {...}, ...}.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -89,6 +91,11 @@ def run_ours(workload, args) -> dict:
             client.close()
 
 
+def _die_with_parent() -> None:
+    """In llama-server before exec: SIGTERM when this script dies, so a stopped run leaves no server behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def run_llama_cpp(workload, args) -> dict:
     cache = str(ROOT / ".cache")
     binary = peer_llamacpp.server_binary(cache)
@@ -99,7 +106,7 @@ def run_llama_cpp(workload, args) -> dict:
     cmd = [binary, "-m", gguf, "-np", str(args.concurrency), "-t", str(args.threads or 2),
            "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     log = open(Path(args.work) / "llama-server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
