@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # First match wins; op names are lower-cased. Compiled (inductor) kernels are named cpp_fused_<ops>.
 CATEGORIES = [
+    # Inductor's generated C++ loops are not profiled one by one: their time is the graph call's self time.
+    ("compiled kernels (fused norm/RoPE/SiLU/residual, decode attention)", ("compiledfxgraph",)),
     ("matmul", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn", "bmm")),
     ("attention + KV store", ("attention", "index_select", "index_fill", "index_copy", "nonzero", "inflight::",
                               "gather", "scatter", "softmax_kv", "_efficient", "_flash")),
