@@ -32,12 +32,12 @@ SMOL = ROOT / "models" / "SmolLM2-135M-Instruct"
 # (name, folder in their repo, command run there, timeout s). {py} is this venv's Python.
 VLLM_RUNS = [
     ("samples/client.py", "samples", "{py} client.py -u {grpc} -m llm", 600),
-    ("L0_backend_vllm/vllm_backend", "ci/L0_backend_vllm/vllm_backend", "{py} -m pytest -q vllm_backend_test.py", 1200),
+    ("L0_backend_vllm/vllm_backend", "ci/L0_backend_vllm/vllm_backend", "{py} vllm_backend_test.py -v", 1200),
     ("L0_backend_vllm/enabled_stream", "ci/L0_backend_vllm/enabled_stream",
-     "{py} -m pytest -q enabled_stream_test.py", 600),
+     "{py} enabled_stream_test.py -v", 600),
     ("L0_backend_vllm/request_cancellation", "ci/L0_backend_vllm/request_cancellation",
-     "{py} -m pytest -q request_cancellation_test.py", 600),
-    ("L0_backend_vllm/metrics_test", "ci/L0_backend_vllm/metrics_test", "{py} -m pytest -q vllm_metrics_test.py", 600),
+     "{py} request_cancellation_test.py -v", 600),
+    ("L0_backend_vllm/metrics_test", "ci/L0_backend_vllm/metrics_test", "{py} vllm_metrics_test.py -v", 600),
     ("L0_check_health_vllm", "ci/L0_check_health_vllm",
      "{py} -m pytest -q check_health_test.py -k test_vllm_is_healthy", 600),
     ("L0_additional_outputs_vllm", "ci/L0_additional_outputs_vllm",
@@ -56,18 +56,20 @@ TRTLLM_RUNS = [
 ]
 
 
-def localize(src: Path, work: Path, server: TritonServer) -> Path:
-    """Their folder, copied, with our address and model name in place of theirs."""
-    dest = work / src.name
-    shutil.copytree(src, dest, dirs_exist_ok=True)
-    http, grpc, metrics = server.http_url.split(":")[1], server.grpc_url.split(":")[1], server.metrics_url
-    metrics_port = metrics.split(":")[2].split("/")[0]
-    for f in dest.rglob("*.py"):
-        text = f.read_text()
-        text = text.replace("localhost:8001", f"localhost:{grpc}").replace("localhost:8000", f"localhost:{http}")
-        text = text.replace("localhost:8002", f"localhost:{metrics_port}").replace('"vllm_opt"', '"llm"')
-        f.write_text(text)
-    return dest
+def localize(checkout: Path, folder: str, work: Path, server: TritonServer) -> Path:
+    """Their checkout's top folder holding `folder` (tests import siblings such as ci/common), copied, with our
+    address and model name in place of theirs; returns the copy of `folder`."""
+    top = folder.split("/")[0]
+    dest = work / checkout.name / top
+    if not dest.exists():
+        shutil.copytree(checkout / top, dest)
+        http, grpc = server.http_url.split(":")[1], server.grpc_url.split(":")[1]
+        metrics_port = server.metrics_url.split(":")[2].split("/")[0]
+        ports = {"8000": http, "8001": grpc, "8002": metrics_port}
+        for f in dest.rglob("*.py"):
+            text = re.sub(r":(800[012])\b", lambda m: ":" + ports[m.group(1)], f.read_text())
+            f.write_text(text.replace('"vllm_opt"', '"llm"'))
+    return work / checkout.name / folder
 
 
 def run(name: str, folder: Path, command: str, timeout_s: int, server: TritonServer, data: Path) -> dict:
@@ -79,9 +81,18 @@ def run(name: str, folder: Path, command: str, timeout_s: int, server: TritonSer
     except subprocess.TimeoutExpired as e:
         code, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else ""
     counts = dict((k, int(v)) for v, k in re.findall(r"(\d+) (passed|failed|error|skipped|deselected)", out))
+    ran = re.search(r"Ran (\d+) tests?", out)  # unittest's own summary
+    if ran:
+        bad = re.search(r"FAILED \((.*)\)", out)
+        counts = {"ran": int(ran.group(1)), **({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", bad.group(1))}
+                                                if bad else {"failures": 0})}
     print(f"[peers] {name}: exit {code}, {counts or ''} ({time.monotonic() - t0:.0f} s)", flush=True)
     return {"name": name, "command": cmd, "exit": code, "counts": counts, "seconds": round(time.monotonic() - t0),
             "tail": out[-2500:]}
+
+
+def wanted(name: str, args: argparse.Namespace) -> bool:
+    return (not args.only or args.only in name) and not (args.skip and args.skip in name)
 
 
 def serve(repo: Path, work: Path) -> TritonServer:
@@ -95,6 +106,7 @@ def main() -> int:
     ap.add_argument("--trtllm", type=Path, help="checkout of tensorrtllm_backend (6a749f5~1)")
     ap.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "peer-clients")
     ap.add_argument("--only", help="run only the scripts whose name contains this")
+    ap.add_argument("--skip", help="skip the scripts whose name contains this")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="peers-"))
@@ -105,8 +117,8 @@ def main() -> int:
                                                "default_exclude_input_in_output": "false"})
         with serve(repo, work) as server:
             for name, folder, command, timeout_s in VLLM_RUNS:
-                if not args.only or args.only in name:
-                    results.append(run(name, localize(args.vllm / folder, work, server), command, timeout_s,
+                if wanted(name, args):
+                    results.append(run(name, localize(args.vllm, folder, work / "vllm", server), command, timeout_s,
                                        server, Path()))
     if args.trtllm:
         repo = work / "trtllm_repo"
@@ -116,9 +128,9 @@ def main() -> int:
         data = args.trtllm / "ci" / "L0_backend_trtllm" / "simple_data.json"
         with serve(repo, work) as server:
             for name, folder, command, timeout_s in TRTLLM_RUNS:
-                if not args.only or args.only in name:
-                    results.append(run(name, localize(args.trtllm / folder, work, server), command, timeout_s,
-                                       server, data))
+                if wanted(name, args):
+                    results.append(run(name, localize(args.trtllm, folder, work / "trtllm", server), command,
+                                       timeout_s, server, data))
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
     lines = ["# The peers' clients against this server", "", "| script | exit | pytest counts | seconds |",
              "|---|---|---|---:|"]

@@ -36,12 +36,15 @@ _SAMPLING_CHOICES = ("top_k", "runtime_top_k", "top_p", "runtime_top_p")
 
 def with_trtllm_defaults(row: dict[str, np.ndarray], parameters: Mapping[str, object]) -> dict[str, np.ndarray]:
     """TensorRT-LLM's defaults where its client left a field out: the prompt leads a non-streamed output
-    (exclude_input_in_output false), and decoding is greedy unless top_k or top_p asks for sampling (its
-    temperature alone samples nothing)."""
+    (exclude_input_in_output false; a stream ignores the flag, as TensorRT-LLM does), and decoding is greedy
+    unless top_k or top_p asks for sampling (its temperature alone samples nothing)."""
     row = dict(row)
-    given = set(row) | set(parameters)
-    if "exclude_input_in_output" not in given:
+    streaming = any(bool(np.asarray(row[n]).reshape(-1)[0]) for n in ("stream", "streaming") if n in row)
+    if streaming:
+        row.pop("exclude_input_in_output", None)
+    elif "exclude_input_in_output" not in row and "exclude_input_in_output" not in parameters:
         row["exclude_input_in_output"] = np.array([False])
+    given = set(row) | set(parameters)
     if not given & set(_SAMPLING_CHOICES) and "sampling_parameters" not in given:
         row["temperature"] = np.array([0.0], dtype=np.float32)
     return row

@@ -168,6 +168,10 @@ def parse_request(inputs: Mapping[str, Any], parameters: Mapping[str, Any] | Non
             values[f.name] = value
             origin[f.name] = f"{name}={value!r} ({where})"
 
+    if values.get("stream") and values.get("exclude_input_in_output") is False:
+        # vLLM's backend refuses this too: a stream never repeats the prompt, so asking for it is a mistake.
+        raise InvalidRequestError("exclude_input_in_output=False is not allowed when streaming: a stream never "
+                                  "repeats the prompt; allowed true, or stream=false")
     flags = {**(defaults or {}), **{f.name: values[f.name] for f in FIELDS if not f.sampling and f.name in values}}
     req = ParsedRequest(prompt=prompt, cancel=cancel, logprobs_requested="logprobs" in values, **flags)
     sampling = {f.name: values[f.name] for f in SAMPLING_FIELDS if f.name in values}

@@ -49,3 +49,9 @@ def test_tensorrt_llm_defaults_fill_only_what_the_client_left_out():
                                     "exclude_input_in_output": np.array([True])}, {})
     assert sampled["temperature"].tolist() == [np.float32(0.8)]
     assert sampled["exclude_input_in_output"].tolist() == [True]
+
+
+def test_a_tensorrt_llm_stream_drops_the_echo_flag():
+    row = {"text_input": np.array([b"a"], dtype=np.object_), "stream": np.array([True]),
+           "exclude_input_in_output": np.array([False])}
+    assert "exclude_input_in_output" not in with_trtllm_defaults(row, {})

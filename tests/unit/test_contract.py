@@ -67,11 +67,11 @@ def test_vllm_sampling_parameters_json_with_string_numbers():
                                                               "temperature": "0.5", "top_p": "0.9", "top_k": "40",
                                                               "seed": "7", "ignore_eos": "true",
                                                               "stop": ["\n\n", "END"]}),
-                         "stream": flag(True), "exclude_input_in_output": flag(False)})
+                         "stream": flag(False), "exclude_input_in_output": flag(False)})
     p = req.params
     assert (p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (12, 3, 0.5, 0.9, 40, 7)
     assert p.ignore_eos is True and p.stop == ["\n\n", "END"]
-    assert req.stream is True and req.exclude_input_in_output is False
+    assert req.stream is False and req.exclude_input_in_output is False
 
 
 def test_vllm_json_penalties_and_extras():
@@ -309,3 +309,10 @@ def test_stop_word_count_and_size_caps():
 def test_limits_validate_themselves():
     with pytest.raises(ValueError, match="max_json_bytes=0"):
         RequestLimits(max_json_bytes=0)
+
+
+def test_asking_a_stream_to_repeat_the_prompt_is_refused():
+    """vLLM's backend refuses it; a stream never repeats the prompt (the TensorRT-LLM front drops the flag)."""
+    msg = refused({**text(), "stream": flag(True), "exclude_input_in_output": flag(False)})
+    assert msg.startswith("exclude_input_in_output=False is not allowed when streaming")
+    assert parse_request({**text(), "stream": flag(True)}, defaults={"exclude_input_in_output": False}).stream
