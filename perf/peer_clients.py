@@ -56,6 +56,13 @@ TRTLLM_RUNS = [
 ]
 
 
+# Their model names -> ours. TensorRT-LLM's inner models keep their interfaces under our names (ours
+# `preprocessing`/`postprocessing` are the dynamic arm's), and its unary callers get the non-decoupled model.
+MODEL_NAMES = {'"vllm_opt"': '"llm"', "'preprocessing'": "'trtllm_preprocessing'",
+               '"postprocessing"': '"trtllm_postprocessing"',
+               'model_name = "ensemble"': 'model_name = "ensemble_unary"'}
+
+
 def localize(checkout: Path, folder: str, work: Path, server: TritonServer) -> Path:
     """Their checkout's top folder holding `folder` (tests import siblings such as ci/common), copied, with our
     address and model name in place of theirs; returns the copy of `folder`."""
@@ -68,7 +75,9 @@ def localize(checkout: Path, folder: str, work: Path, server: TritonServer) -> P
         ports = {"8000": http, "8001": grpc, "8002": metrics_port}
         for f in dest.rglob("*.py"):
             text = re.sub(r":(800[012])\b", lambda m: ":" + ports[m.group(1)], f.read_text())
-            f.write_text(text.replace('"vllm_opt"', '"llm"'))
+            for theirs, ours in MODEL_NAMES.items():
+                text = text.replace(theirs, ours)
+            f.write_text(text)
     return work / checkout.name / folder
 
 
@@ -125,6 +134,8 @@ def main() -> int:
         copy_model(REPO, "llm", repo, params={"model": SMOL})
         for name in ("ensemble", "ensemble_unary"):
             copy_model(REPO, name, repo)
+        for name in ("trtllm_preprocessing", "tensorrt_llm", "trtllm_postprocessing"):
+            copy_model(REPO, name, repo, params={"model": SMOL})
         data = args.trtllm / "ci" / "L0_backend_trtllm" / "simple_data.json"
         with serve(repo, work) as server:
             for name, folder, command, timeout_s in TRTLLM_RUNS:

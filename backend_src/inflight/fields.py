@@ -304,6 +304,8 @@ FIELDS: tuple[Field, ...] = (
           "tokens (vLLM's layout); null when the request set no logprobs", sampling=False),
     Field("return_log_probs", BOOL, False, "attach cum_log_probs and output_log_probs (TensorRT-LLM)",
           sampling=False),
+    Field("return_output_ids", BOOL, False, "attach output_ids: the token ids this response carries, every "
+          "sample's in turn", sampling=False),
     Field("pad_id", INT, None, "TensorRT-LLM's padding id: accepted, never needed (outputs are not padded)",
           lo=0, sampling=False),
     Field("return_context_logits", BOOL, False, "TensorRT-LLM", unsupported="logits are not returned",

@@ -181,3 +181,12 @@ class BlsFront:
         except Exception as e:  # noqa: BLE001 - reported as this request's error
             log.exception("BLS call to %s failed", TARGET)
             row.error = f"internal error: {type(e).__name__}: {e}"
+
+
+def call_llm(inputs: dict[str, np.ndarray], call_id: str) -> dict[str, np.ndarray]:
+    """One non-streaming request to `llm`, its whole answer; InvalidRequestError with its message on a refusal."""
+    row = _Row(0, inputs, call_id, {})
+    BlsFront._collect_row(row)
+    if row.error or row.last is None:
+        raise InvalidRequestError(row.error or "no response from the engine")
+    return row.last

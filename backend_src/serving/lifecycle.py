@@ -145,7 +145,7 @@ class Responder:
         # The prompt leads a whole output; a stream never repeats it (both peers).
         prefix = req.prompt if not req.stream and not req.exclude_input_in_output else ""
         outputs = {"text_output": np.array([(prefix + s.text).encode("utf-8") for s in samples], dtype=np.object_)}
-        if self.with_token_ids:
+        if self.with_token_ids or req.return_output_ids:
             outputs["output_ids"] = np.array([t for s in samples for t in s.token_ids], dtype=np.int32)
         if req.return_finish_reason:  # vLLM's backend says "None" until a sample finishes
             outputs["finish_reason"] = np.array([(s.finish_reason.openai if s.finish_reason else "None").encode()

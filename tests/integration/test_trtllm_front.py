@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(600)
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("trtllm") / "repo"
     copy_model(MODEL_REPOSITORY, "llm", repo, params={"model": TINY, "num_kv_blocks": 128, "max_model_len": 256})
-    for name in ("ensemble", "ensemble_unary"):
-        copy_model(MODEL_REPOSITORY, name, repo)
+    for name in ("ensemble", "ensemble_unary", "tensorrt_llm", "trtllm_preprocessing", "trtllm_postprocessing"):
+        copy_model(MODEL_REPOSITORY, name, repo, params={"model": TINY} if name != "ensemble"
+                   and name != "ensemble_unary" else None)
     srv = TritonServer(repo, log_path=repo.parent / "server.log", env={"OMP_NUM_THREADS": "1"})
     with srv:
         yield srv
@@ -116,3 +117,35 @@ def test_plain_infer_over_http_on_the_unary_model(server):
     result = client.infer("ensemble_unary", inputs, outputs=[httpclient.InferRequestedOutput("text_output")])
     texts = [t.decode() for t in result.as_numpy("text_output")]
     assert len(texts) == 2 and all(texts)  # sampled at temperature 1: non-empty; the streaming test compares
+
+
+def http_infer(server, model, values: dict, outputs=None):
+    client = httpclient.InferenceServerClient(server.http_url)
+    inputs = []
+    for name, array in values.items():
+        t = httpclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                  else np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    return client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput(n) for n in outputs or []] or None)
+
+
+def test_the_inner_models_one_by_one_give_what_the_whole_pipeline_gives(server):
+    """As TensorRT-LLM's end_to_end_test.py drives them: preprocessing, tensorrt_llm, postprocessing by hand,
+    then the whole request; the two texts must be equal (greedy, the prompt leading both)."""
+    prompt = np.array([["The capital of France is"]]).astype(object)
+    length = np.array([[8]], dtype=np.int32)
+    words = np.array([[""]]).astype(object)
+    pre = http_infer(server, "trtllm_preprocessing", {"QUERY": prompt, "REQUEST_OUTPUT_LEN": length,
+                                                      "BAD_WORDS_DICT": words, "STOP_WORDS_DICT": words})
+    gen = http_infer(server, "tensorrt_llm", {
+        "input_ids": pre.as_numpy("INPUT_ID"), "decoder_input_ids": pre.as_numpy("DECODER_INPUT_ID"),
+        "input_lengths": pre.as_numpy("REQUEST_INPUT_LEN"), "request_output_len": pre.as_numpy("REQUEST_OUTPUT_LEN"),
+        "end_id": pre.as_numpy("OUT_END_ID"), "pad_id": pre.as_numpy("OUT_PAD_ID")})
+    ids, lengths = gen.as_numpy("output_ids"), gen.as_numpy("sequence_length")
+    assert ids.shape[:2] == (1, 1) and lengths[0, 0] == pre.as_numpy("REQUEST_INPUT_LEN")[0, 0] + 8
+    post = http_infer(server, "trtllm_postprocessing", {"TOKENS_BATCH": ids, "SEQUENCE_LENGTH": lengths})
+    whole = http_infer(server, "ensemble_unary", {"text_input": prompt, "max_tokens": length, "bad_words": words,
+                                                  "stop_words": words}, outputs=["text_output"])
+    assert post.as_numpy("OUTPUT").reshape(-1)[0] == whole.as_numpy("text_output").reshape(-1)[0]
+    assert post.as_numpy("OUTPUT").reshape(-1)[0].startswith(b"The capital of France is")
