@@ -81,8 +81,11 @@ def localize(checkout: Path, folder: str, work: Path, server: TritonServer) -> P
     return work / checkout.name / folder
 
 
-def run(name: str, folder: Path, command: str, timeout_s: int, server: TritonServer, data: Path) -> dict:
+def run(name: str, folder: Path, command: str, timeout_s: int, server: TritonServer, data: Path,
+        select: str | None = None) -> dict:
     cmd = command.format(py=sys.executable, grpc=server.grpc_url, http=server.http_url, data=data)
+    if select and "pytest" in cmd:
+        cmd += f" -k '{select}'"
     t0 = time.monotonic()
     try:
         done = subprocess.run(["bash", "-c", cmd], cwd=folder, capture_output=True, text=True, timeout=timeout_s)
@@ -104,9 +107,9 @@ def wanted(name: str, args: argparse.Namespace) -> bool:
     return (not args.only or args.only in name) and not (args.skip and args.skip in name)
 
 
-def serve(repo: Path, work: Path) -> TritonServer:
-    return TritonServer(repo, ["--model-control-mode=explicit", "--load-model=*"], log_path=work / f"{repo.name}.log",
-                        startup_timeout_s=600)
+def serve(repo: Path, work: Path, extra: list[str] | None = None) -> TritonServer:
+    return TritonServer(repo, ["--model-control-mode=explicit", "--load-model=*", *(extra or [])],
+                        log_path=work / f"{repo.name}.log", startup_timeout_s=600)
 
 
 def main() -> int:
@@ -116,19 +119,31 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "peer-clients")
     ap.add_argument("--only", help="run only the scripts whose name contains this")
     ap.add_argument("--skip", help="skip the scripts whose name contains this")
+    ap.add_argument("--arm", choices=("inflight", "dynamic"), default="inflight",
+                    help="the vLLM tests' `llm`: the in-flight model, or the dynamic-batcher arm by the config swap")
+    ap.add_argument("-k", dest="select", help="pytest -k expression for the additional-outputs test (a subset)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     results = []
     if args.vllm:
         repo = work / "vllm_repo"
-        copy_model(REPO, "llm", repo, params={"model": SMOL, "default_max_tokens": 16,
-                                               "default_exclude_input_in_output": "false"})
-        with serve(repo, work) as server:
+        vllm_defaults = {"default_max_tokens": 16, "default_exclude_input_in_output": "false"}
+        extra = []
+        if args.arm == "inflight":
+            copy_model(REPO, "llm", repo, params={"model": SMOL, **vllm_defaults})
+        else:  # `llm` served by preprocessing -> llm_dynamic -> postprocessing (--model-config-name=dynamic)
+            copy_model(REPO, "llm", repo, params={"model": SMOL})
+            copy_model(REPO, "llm_dynamic", repo, params={"model": SMOL, "default_max_tokens": 16})
+            copy_model(REPO, "preprocessing", repo,
+                       params={"model": SMOL, "default_exclude_input_in_output": "false"})
+            copy_model(REPO, "postprocessing", repo)
+            extra = ["--model-config-name=dynamic"]
+        with serve(repo, work, extra) as server:
             for name, folder, command, timeout_s in VLLM_RUNS:
                 if wanted(name, args):
                     results.append(run(name, localize(args.vllm, folder, work / "vllm", server), command, timeout_s,
-                                       server, Path()))
+                                       server, Path(), args.select))
     if args.trtllm:
         repo = work / "trtllm_repo"
         copy_model(REPO, "llm", repo, params={"model": SMOL})
