@@ -6,13 +6,16 @@ generated word-level tokenizer) in a temp dir, so the engine's own loader and to
     python perf/gpu_bench.py --out results/          # one H100/H200: well under 8 minutes
     python perf/gpu_bench.py --smoke --out /tmp/x    # CPU, tiny model, Triton in the interpreter
 
-Reports: output tokens/s over the whole load (256 requests, prompt and output lengths uniform in
-100-1024, ignore_eos); the step-time breakdown (schedule, prepare, forward, sample, detokenize, other;
-the device is synchronised at each mark); the decode roofline fraction (bytes of weights + KV read per
-decode step / HBM bandwidth, over the measured step time); greedy equality of the Triton kernels against
-the torch reference attention (and of CUDA-graph decodes against eager ones), with first-step logits
-compared within a tolerance, since bf16 greedy paths may part late. Writes gpu_bench-<gpu>.json and
-.md under --out, after every phase, so a run cut short still leaves what it measured.
+Steps (main): set up; write the model; check the Triton kernels against the torch reference attention
+(greedy ids, first-step logits within a tolerance: bf16 paths may part late); start the benchmark engine;
+the throughput run (256 requests, prompt and output lengths uniform in 100-1024, ignore_eos; output tokens/s
+with no step timer, which would sync the device at every phase mark); the breakdown run, a short one with
+the same batch shape, timed twice: host view (no syncs: how long the host takes to reach each mark, the
+sampler's lap holding the wait for the device) and device view (synced at each mark: the decode roofline
+fraction, bytes of weights + KV read per decode step / HBM bandwidth over the measured forward); the sync
+check (CUDA: preparing a step makes no synchronising call and the sampler at most two, the reads of its
+results); CUDA-graph decodes against eager ones; the report. gpu_bench-<gpu>.json and .md are written under
+--out after every step, so a run cut short still leaves what it measured.
 """
 from __future__ import annotations
 
@@ -25,12 +28,20 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-# Without a GPU the Triton kernels run only in the interpreter, which must be chosen before triton loads.
-if not torch.cuda.is_available():
+# Which Triton the kernels get is fixed when triton is first imported. Without a GPU that can only be the
+# interpreter; with one, an inherited TRITON_INTERPRET=1 would silently benchmark the interpreter.
+INHERITED_INTERPRET = None
+if torch.cuda.is_available():
+    INHERITED_INTERPRET = os.environ.pop("TRITON_INTERPRET", None)
+    if INHERITED_INTERPRET not in (None, "", "0"):
+        print(f"gpu_bench: unset the inherited TRITON_INTERPRET={INHERITED_INTERPRET}: this host has CUDA",
+              file=sys.stderr)
+else:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +54,12 @@ log = logging.getLogger("gpu_bench")
 
 # HBM bandwidth by device name (vendor datasheets), B/s; the first substring that matches wins.
 HBM_BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12)]
+# Relative L2 error allowed between the first two steps' logits of two bf16 engines whose attention rounds
+# differently. perf/bf16_tolerance.py ran the same comparison on CPU with one change of rounding in attention
+# (the kernel's bf16 P x V, or fp32 attention rounded once, against torch's bf16 attention): 1.8e-2 to 2.0e-2,
+# greedy ids parting after 6-21 tokens (perf/results/host_overhead/bf16_tolerance.json). Three times that
+# leaves room for the GPU's different summation orders; an indexing or masking bug errs by 0.3 or more.
+BF16_LOGITS_TOLERANCE = 6e-2
 
 
 @dataclass
@@ -69,10 +86,11 @@ class Load:
     max_model_len: int
     check_prompt_lens: tuple[int, ...]
     check_tokens: int
+    breakdown_tokens: int  # output tokens per request in the breakdown run
 
 
-FULL = Load(256, 100, 1024, 256, 16384, 4096, (17, 130, 509, 1000), 32)
-SMOKE = Load(8, 8, 32, 8, 64, 128, (5, 12), 4)
+FULL = Load(256, 100, 1024, 256, 16384, 4096, (17, 130, 509, 1000), 32, 48)
+SMOKE = Load(8, 8, 32, 8, 64, 128, (5, 12), 4, 6)
 
 
 # ---- the model folder ---------------------------------------------------------------------------
@@ -213,31 +231,18 @@ def kernel_check(model_dir: str, load: Load, vocab: int, device: str, tolerance:
     return compare("triton_vs_torch_attention", *runs["triton"], *runs["torch"], tolerance), runs
 
 
-def throughput(llm, load: Load, vocab: int, seed: int, time_limit: float) -> dict:
+def bench_requests(load: Load, vocab: int, seed: int, output_tokens: int | None = None):
+    """The load's prompts (token ids) and output lengths: uniform in [min_len, max_len] unless fixed."""
     rng = random.Random(seed)
     prompt_lens = [rng.randint(load.min_len, load.max_len) for _ in range(load.num_requests)]
-    output_lens = [rng.randint(load.min_len, load.max_len) for _ in range(load.num_requests)]
-    prompts = random_prompts(rng, prompt_lens, vocab)
-    engine = llm.engine
-    # Warm-up: one short request (first-call costs outside the timed run).
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    output_lens = [output_tokens or rng.randint(load.min_len, load.max_len) for _ in range(load.num_requests)]
+    return random_prompts(rng, prompt_lens, vocab), output_lens
 
-    batches = []  # per non-empty step: (seqs, tokens, decode-only, context tokens read)
-    schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
-        if out.scheduled:
-            decode = all(n == 1 for _, n in out.scheduled)
-            ctx = sum(s.num_computed_tokens + n for s, n in out.scheduled)
-            batches.append((len(out.scheduled), out.num_batched_tokens, decode, ctx))
-        return out
-    engine.scheduler.schedule = recording_schedule
-    timer = StepTimer(sync=True, keep_steps=True)
-    engine.set_step_timer(timer)
-
+def run_load(engine, prompts, output_lens, time_limit: float, tag: str) -> dict:
+    """Every request to completion (or the time limit: the rest are aborted); output tokens and seconds."""
     for i, (p, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     out_tokens, truncated = 0, False
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -248,19 +253,117 @@ def throughput(llm, load: Load, vocab: int, seed: int, time_limit: float) -> dic
             for rid in list(engine.seqs):
                 engine.abort_request(rid)
             break
-    elapsed = time.perf_counter() - t0
-    engine.set_step_timer(None)
-    del engine.scheduler.schedule
-    n = timer.num_steps
-    return {
-        "requests": load.num_requests, "prompt_tokens": sum(prompt_lens), "output_tokens": out_tokens,
-        "expected_output_tokens": sum(output_lens), "truncated_at_time_limit": truncated,
-        "seconds": elapsed, "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (out_tokens + sum(prompt_lens)) / elapsed if not truncated else None,
-        "steps": n, "decode_steps": sum(1 for b in batches if b[2]),
-        "phase_seconds": timer.totals, "phase_ms_per_step": {k: 1000 * v / max(n, 1) for k, v in timer.totals.items()},
-        "_steps": timer.steps, "_batches": batches,
-    }
+    return {"output_tokens": out_tokens, "seconds": time.perf_counter() - t0, "truncated_at_time_limit": truncated}
+
+
+def throughput(llm, load: Load, vocab: int, seed: int, time_limit: float) -> dict:
+    """The headline: output tokens/s with no step timer (a synced timer would stall the device six times a
+    step)."""
+    prompts, output_lens = bench_requests(load, vocab, seed)
+    # Warm-up: one short request (first-call costs outside the timed run).
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    run = run_load(llm.engine, prompts, output_lens, time_limit, "bench")
+    elapsed = run["seconds"]
+    run.update({
+        "requests": load.num_requests, "prompt_tokens": sum(len(p) for p in prompts),
+        "expected_output_tokens": sum(output_lens), "output_tokens_per_s": run["output_tokens"] / elapsed,
+        "total_tokens_per_s": None if run["truncated_at_time_limit"]
+        else (run["output_tokens"] + sum(len(p) for p in prompts)) / elapsed})
+    return run
+
+
+def _record_batches(engine) -> list:
+    """Per non-empty step from now on: (seqs, tokens, decode-only, context tokens read)."""
+    batches = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if out.scheduled:
+            decode = all(n == 1 for _, n in out.scheduled)
+            ctx = sum(s.num_computed_tokens + n for s, n in out.scheduled)
+            batches.append((len(out.scheduled), out.num_batched_tokens, decode, ctx))
+        return out
+    engine.scheduler.schedule = recording_schedule
+    return batches
+
+
+def _phase_means(laps: list[dict], batches: list, full_batch: int) -> dict:
+    """ms per step by phase: over all steps, and over the decode steps with the batch full."""
+    def means(sel):
+        return {p: 1000 * sum(lap.get(p, 0.0) for lap in sel) / len(sel) for p in PHASES} if sel else None
+    full = [lap for lap, b in zip(laps, batches) if b[2] and b[0] >= full_batch]
+    return {"all_steps": means(laps), "full_batch_decode_steps": means(full), "full_batch_decode_count": len(full)}
+
+
+def breakdown(llm, load: Load, vocab: int, seed: int, time_limit: float) -> dict:
+    """A short run of the same batch shape (every request admitted, then decodes with the batch full), twice.
+
+    host view: StepTimer without syncs, so each lap is host time up to that mark; the device's work shows up
+    in the lap that waits for it, `sample` (the sampler reads its tokens). What the device waits for is the
+    rest: schedule, prepare, forward (launch), detokenize, other (`overlap` runs while the forward does).
+    device view: synced at every mark, so each lap holds the device work it queued; gives the roofline.
+    """
+    engine = llm.engine
+    result = {}
+    for view, sync in (("host_view", False), ("device_view", True)):
+        prompts, output_lens = bench_requests(load, vocab, seed + 1, load.breakdown_tokens)
+        batches = _record_batches(engine)
+        timer = StepTimer(sync=sync, keep_steps=True)
+        engine.set_step_timer(timer)
+        try:
+            run = run_load(engine, prompts, output_lens, time_limit, f"breakdown-{view}")
+        finally:
+            engine.set_step_timer(None)
+            del engine.scheduler.schedule
+        run.update(steps=timer.num_steps, decode_steps=sum(1 for b in batches if b[2]),
+                   **_phase_means(timer.steps, batches, load.max_num_seqs))
+        if sync:
+            run.update(_steps=timer.steps, _batches=batches)
+        result[view] = run
+    host = result["host_view"]["full_batch_decode_steps"]
+    if host:  # what the device waits for: all but the work done while it runs the forward, and the wait itself
+        result["critical_path_ms"] = sum(v for p, v in host.items() if p not in ("overlap", "sample"))
+    return result
+
+
+def sync_check(llm, vocab: int) -> dict:
+    """CUDA: count synchronising calls (torch.cuda's sync debug mode) while steps are prepared and launched
+    and while the sampler runs, for greedy and for sampled requests with top-p/top-k/min-p, a seed, penalties
+    and min_tokens bans. Preparing and launching must make none (the copies are asynchronous, so the host
+    keeps going while the device works); the sampler at most two (reading its token ids and log-probs)."""
+    engine, runner = llm.engine, llm.engine.runner
+    execute, sampler = runner.execute, engine.sampler
+    per_call: dict[str, list[int]] = {"execute": [], "sampler": []}
+    prompts = random_prompts(random.Random(2), [40, 70, 100, 130], vocab)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.7, top_k=20, repetition_penalty=1.2, presence_penalty=0.5,
+                             frequency_penalty=0.3, min_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, min_p=0.05, ignore_eos=True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def counting(name, fn):
+            def wrapper(*args):
+                before = len(caught)
+                out = fn(*args)
+                per_call[name].append(sum("synchroniz" in str(w.message) for w in caught[before:]))
+                return out
+            return wrapper
+        runner.execute, engine.sampler = counting("execute", execute), counting("sampler", sampler)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            del runner.execute
+            engine.sampler = sampler
+    messages = sorted({str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)})
+    return {"execute_syncs_per_call": per_call["execute"], "sampler_syncs_per_call": per_call["sampler"],
+            "messages": messages[:5],
+            "ok": bool(per_call["sampler"]) and max(per_call["execute"], default=0) == 0
+            and max(per_call["sampler"]) <= 2}
 
 
 def roofline(run: dict, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float | None,
@@ -291,13 +394,18 @@ def roofline(run: dict, weight_bytes: int, kv_bytes_per_token: int, bandwidth: f
 
 
 # ---- report ---------------------------------------------------------------------------------------
+def _public(value):
+    """The report without per-step records (keys starting with _)."""
+    if isinstance(value, dict):
+        return {k: _public(v) for k, v in value.items() if not k.startswith("_")}
+    return value
+
+
 def write_report(out_dir: str, report: dict) -> dict:
     """Write gpu_bench-<device>.json and .md (per-step records left out); returns what was written."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"gpu_bench-{slug(report['device'])}")
-    public = dict(report)
-    if "throughput" in public:
-        public["throughput"] = {k: v for k, v in public["throughput"].items() if not k.startswith("_")}
+    public = _public(report)
     with open(base + ".json", "w") as f:
         json.dump(public, f, indent=2)
     with open(base + ".md", "w") as f:
@@ -320,13 +428,22 @@ def markdown(r: dict) -> str:
                   f"{e['graph_buckets'] or 'none'}, fused ops {e['fused_ops']}, init {e['init_s']:.1f} s.", ""]
     t = r.get("throughput")
     if t:
-        lines += ["| output tok/s | output tokens | seconds | steps | decode steps | truncated |",
-                  "|---|---|---|---|---|---|",
-                  f"| {t['output_tokens_per_s']:.0f} | {t['output_tokens']} | {t['seconds']:.1f} | {t['steps']} | "
-                  f"{t['decode_steps']} | {t['truncated_at_time_limit']} |", "",
-                  "Step-time breakdown, ms per step (device synchronised at each mark):", "",
-                  "| " + " | ".join(PHASES) + " |", "|" + "---|" * len(PHASES),
-                  "| " + " | ".join(f"{t['phase_ms_per_step'][p]:.2f}" for p in PHASES) + " |", ""]
+        lines += ["Throughput run (no step timer):", "",
+                  "| output tok/s | output tokens | seconds | truncated |", "|---|---|---|---|",
+                  f"| {t['output_tokens_per_s']:.0f} | {t['output_tokens']} | {t['seconds']:.1f} | "
+                  f"{t['truncated_at_time_limit']} |", ""]
+    b = r.get("breakdown")
+    if b:
+        lines += ["Breakdown run, ms per step (host view: no syncs, the device's work lands in `sample`, where the "
+                  "sampler waits for it; device view: synced at each mark):", "",
+                  "| view, steps | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+        for view in ("host_view", "device_view"):
+            for sel in ("full_batch_decode_steps", "all_steps"):
+                ms = b.get(view, {}).get(sel)
+                if ms:
+                    lines.append(f"| {view} {sel} | " + " | ".join(f"{ms[p]:.2f}" for p in PHASES) + " |")
+        lines += ["", f"Host critical path per full-batch decode step (all but `overlap` and `sample`): "
+                      f"{_fmt(b.get('critical_path_ms'), '.2f')} ms.", ""]
     rf = r.get("roofline")
     if rf:
         lines += [f"Decode roofline: weights {rf['weight_bytes'] / 1e9:.3f} GB + {rf['kv_bytes_per_token']} B of KV "
@@ -341,6 +458,11 @@ def markdown(r: dict) -> str:
                              f"{_fmt(e.get('fraction_of_forward'), '.1%')} | "
                              f"{_fmt(e.get('fraction_of_step'), '.1%')} |")
         lines.append("")
+    sc = r.get("sync_check")
+    if sc:
+        lines.append(f"- sync check: {'ok' if sc['ok'] else 'FAILED'}; syncs per execute "
+                     f"{sorted(set(sc['execute_syncs_per_call']))}, per sampler call "
+                     f"{sorted(set(sc['sampler_syncs_per_call']))}")
     for c in r.get("checks", []):
         greedy = "equal" if c["greedy_equal"] else f"diverged {c['divergences']}"
         errors = ", ".join(format(e, ".2e") for e in c["logits_rel_err"])
@@ -351,8 +473,43 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---- main -----------------------------------------------------------------------------------------
-def main(argv=None) -> int:
+# ---- main: the steps ------------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What the steps share: the options, what they measure into (report), and the engines they make."""
+    args: argparse.Namespace
+    cuda: bool
+    shape: Shape
+    load: Load
+    dtype: torch.dtype
+    tolerance: float
+    bandwidth: float | None
+    report: dict
+    model_dir: str = ""
+    check_runs: dict | None = None
+    llm: object = None
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def save(self) -> dict:
+        return write_report(self.args.out, self.report)
+
+    def attempt(self, what: str, fn, *args):
+        """Run one step; a failure goes into the report (and fails the run) without stopping the others."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - report it and go on to the next step
+            log.exception("%s failed", what)
+            self.report["errors"].append(f"{what}: {type(e).__name__}: {e}")
+            return None
+        finally:
+            self.save()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "perf", "results", "gpu_bench"))
     ap.add_argument("--smoke", action="store_true", help="tiny model and load (CPU: Triton in the interpreter)")
@@ -362,85 +519,114 @@ def main(argv=None) -> int:
                     help="B/s; default from the device name (H100 SXM 3.35e12, H200 4.8e12)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--time-limit", type=float, default=150.0,
-                    help="seconds for the timed run; requests still running then are aborted and it says so")
-    ap.add_argument("--logits-tolerance", type=float, help="relative L2 error allowed (default 3e-2 bf16, 1e-4 fp32)")
+                    help="seconds for the throughput run; requests still running then are aborted and it says so")
+    ap.add_argument("--logits-tolerance", type=float,
+                    help=f"relative L2 error allowed (default {BF16_LOGITS_TOLERANCE} bf16, 1e-4 fp32)")
     ap.add_argument("--skip-check", action="store_true", help="no Triton-vs-torch / graph-vs-eager checks")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return ap.parse_args(argv)
 
+
+def setup(argv=None) -> Bench:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     shape, load = (TINY, SMOKE) if args.smoke else (QWEN2_05B, FULL)
     if args.num_requests:
         load.num_requests = args.num_requests
     dtype = torch.bfloat16 if cuda else torch.float32  # what the engine's dtype=auto picks
-    tolerance = args.logits_tolerance or (3e-2 if dtype == torch.bfloat16 else 1e-4)
-    bandwidth = args.hbm_bandwidth or default_bandwidth(device_name())
+    tolerance = args.logits_tolerance or (BF16_LOGITS_TOLERANCE if dtype == torch.bfloat16 else 1e-4)
     report = {"device": device_name() + ("-smoke" if args.smoke else ""), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "torch": torch.__version__, "smoke": args.smoke, "load": load.__dict__, "checks": [], "errors": []}
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as model_dir:
-        t = time.perf_counter()
-        params = write_model(model_dir, shape, torch.device(device), dtype, args.seed)
-        report["model"] = {"shape": shape.__dict__, "params": params, "dtype": str(dtype),
-                           "write_s": time.perf_counter() - t}
-        write_report(args.out, report)
+              "torch": torch.__version__, "smoke": args.smoke, "load": load.__dict__, "checks": [], "errors": [],
+              "inherited_triton_interpret": INHERITED_INTERPRET}
+    return Bench(args, cuda, shape, load, dtype, tolerance, args.hbm_bandwidth or default_bandwidth(device_name()),
+                 report)
 
-        check_runs = None
-        if not args.skip_check:
-            try:
-                check, check_runs = kernel_check(model_dir, load, shape.vocab, device, tolerance)
-                report["checks"].append(check)
-            except Exception as e:  # noqa: BLE001 - report it and go on to the throughput run
-                log.exception("kernel check failed")
-                report["errors"].append(f"kernel check: {type(e).__name__}: {e}")
-            write_report(args.out, report)
 
-        t = time.perf_counter()
-        options = dict(device=device, max_num_seqs=load.max_num_seqs, max_model_len=load.max_model_len,
-                       max_num_batched_tokens=load.max_num_batched_tokens,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
-        # The CPU pool is a byte budget, and a GPU fraction would be millions of tiny-model blocks: size
-        # both to the load instead.
-        if not cuda or args.smoke:
-            options["num_kv_blocks"] = 4 * load.max_num_seqs * load.max_model_len // 16
-        llm = LLM(model_dir, **options)
-        runner = llm.engine.runner
-        if not cuda:  # no graphs to capture: still run the padded static-buffer decode they replay
-            runner.enable_static_decode(capture=False)
-        static = runner.static_decode
-        report["engine"] = {
-            "init_s": time.perf_counter() - t, "num_kv_blocks": runner.num_blocks,
-            "kv_cache_gib": runner.num_blocks * runner.bytes_per_block() / 2**30,
-            "graph_buckets": sorted(static.graphs) if static else [], "fused_ops": runner.forward is not runner.model,
-            "options": options}
-        write_report(args.out, report)
+def write_bench_model(b: Bench) -> None:
+    t = time.perf_counter()
+    params = write_model(b.model_dir, b.shape, torch.device(b.device), b.dtype, b.args.seed)
+    b.report["model"] = {"shape": b.shape.__dict__, "params": params, "dtype": str(b.dtype),
+                         "write_s": time.perf_counter() - t}
 
-        run = throughput(llm, load, shape.vocab, args.seed, args.time_limit)
-        report["throughput"] = run
-        mc = runner.model_config
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # tied: counted once
-        elem = torch.tensor([], dtype=runner.dtype).element_size()
-        kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-        report["roofline"] = roofline(run, weight_bytes, kv_per_token, bandwidth, load.max_num_seqs)
-        write_report(args.out, report)
 
-        if check_runs is not None:
-            # The check prompts through this engine, whose decodes replay CUDA graphs (on CPU: the padded
-            # static-buffer path, eagerly), against the eager run with the same attention backend.
-            backend = "triton" if cuda else "torch"
-            try:
-                prompts = random_prompts(random.Random(1), load.check_prompt_lens, shape.vocab)
-                ids, logits = greedy_run(llm, prompts, load.check_tokens, backend)
-                report["checks"].append(compare("static_decode_vs_eager", ids, logits, *check_runs[backend], tolerance))
-            except Exception as e:  # noqa: BLE001
-                log.exception("graph check failed")
-                report["errors"].append(f"graph check: {type(e).__name__}: {e}")
-        report["total_s"] = time.perf_counter() - t_start
-        public = write_report(args.out, report)
-        free_engine(llm)
+def check_kernels(b: Bench) -> None:
+    check, b.check_runs = kernel_check(b.model_dir, b.load, b.shape.vocab, b.device, b.tolerance)
+    b.report["checks"].append(check)
+
+
+def start_engine(b: Bench) -> None:
+    t = time.perf_counter()
+    load = b.load
+    options = dict(device=b.device, max_num_seqs=load.max_num_seqs, max_model_len=load.max_model_len,
+                   max_num_batched_tokens=load.max_num_batched_tokens,
+                   gpu_memory_utilization=b.args.gpu_memory_utilization)
+    # The CPU pool is a byte budget, and a GPU fraction would be millions of tiny-model blocks: size
+    # both to the load instead.
+    if not b.cuda or b.args.smoke:
+        options["num_kv_blocks"] = 4 * load.max_num_seqs * load.max_model_len // 16
+    b.llm = LLM(b.model_dir, **options)
+    runner = b.llm.engine.runner
+    if not b.cuda:  # no graphs to capture: still run the padded static-buffer decode they replay
+        runner.enable_static_decode(capture=False)
+    static = runner.static_decode
+    b.report["engine"] = {
+        "init_s": time.perf_counter() - t, "num_kv_blocks": runner.num_blocks,
+        "kv_cache_gib": runner.num_blocks * runner.bytes_per_block() / 2**30,
+        "graph_buckets": sorted(static.graphs) if static else [], "fused_ops": runner.forward is not runner.model,
+        "options": options}
+
+
+def run_throughput(b: Bench) -> None:
+    b.report["throughput"] = throughput(b.llm, b.load, b.shape.vocab, b.args.seed, b.args.time_limit)
+
+
+def run_breakdown(b: Bench) -> None:
+    b.report["breakdown"] = result = breakdown(b.llm, b.load, b.shape.vocab, b.args.seed, b.args.time_limit)
+    runner = b.llm.engine.runner
+    mc = runner.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())  # tied: counted once
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+    b.report["roofline"] = roofline(result["device_view"], weight_bytes, kv_per_token, b.bandwidth,
+                                    b.load.max_num_seqs)
+
+
+def run_sync_check(b: Bench) -> None:
+    b.report["sync_check"] = result = sync_check(b.llm, b.shape.vocab)
+    if not result["ok"]:
+        b.report["errors"].append(f"sync check: a step synchronised outside the sampler's reads: {result}")
+
+
+def check_graphs(b: Bench) -> None:
+    """The check prompts through the benchmark engine, whose decodes replay CUDA graphs (on CPU: the padded
+    static-buffer path, eagerly), against the eager run with the same attention backend."""
+    backend = "triton" if b.cuda else "torch"
+    prompts = random_prompts(random.Random(1), b.load.check_prompt_lens, b.shape.vocab)
+    ids, logits = greedy_run(b.llm, prompts, b.load.check_tokens, backend)
+    b.report["checks"].append(compare("static_decode_vs_eager", ids, logits, *b.check_runs[backend], b.tolerance))
+
+
+def main(argv=None) -> int:
+    b = setup(argv)
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_model_") as b.model_dir:
+        b.attempt("model", write_bench_model, b)
+        if not b.args.skip_check:
+            b.attempt("kernel check", check_kernels, b)
+        b.attempt("engine start", start_engine, b)
+        if b.llm is None:
+            print(markdown(b.save()))
+            return 1
+        b.attempt("throughput run", run_throughput, b)
+        b.attempt("breakdown run", run_breakdown, b)
+        if b.cuda:
+            b.attempt("sync check", run_sync_check, b)
+        if b.check_runs is not None:
+            b.attempt("graph check", check_graphs, b)
+        b.report["total_s"] = time.perf_counter() - b.t_start
+        public = b.save()
+        free_engine(b.llm)
     print(markdown(public))
-    failed = report["errors"] or any(not c["logits_ok"] for c in report["checks"])
+    failed = b.report["errors"] or any(not c["logits_ok"] for c in b.report["checks"])
     return 1 if failed else 0
 
 

@@ -56,13 +56,16 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        """Chained hashes of the sequence's first full blocks, memoized on it (tokens only ever grow)."""
+        """Chained hashes of (at least) the sequence's first full blocks, memoized on it (tokens only grow).
+
+        Returns the memo list itself, not a copy: callers read its first num_full_blocks entries.
+        """
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
-        return hashes[:num_full_blocks]
+        return hashes
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks covering a prefix of the sequence. The last token is never served from the cache,
@@ -71,8 +74,9 @@ class BlockManager:
             return []
         hits = []
         max_blocks = (len(seq) - 1) // self.block_size
-        for i, block_hash in enumerate(self._block_hashes(seq, max_blocks)):
-            block_id = self.hash_to_block.get(block_hash)
+        hashes = self._block_hashes(seq, max_blocks)
+        for i in range(max_blocks):
+            block_id = self.hash_to_block.get(hashes[i])
             chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
@@ -80,17 +84,27 @@ class BlockManager:
         return hits
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's newly filled blocks (KV computed) so later requests can share them."""
+        """Publish the sequence's newly filled blocks (KV computed) so later requests can share them.
+
+        Runs after every forward for every scheduled sequence, so it starts where the last call stopped
+        (seq.num_registered_blocks) instead of walking the whole table: a decode step costs O(1) per sequence.
+        A block left private because an identical one was already published stays private.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i, block_hash in enumerate(self._block_hashes(seq, num_full)):
+        start = seq.num_registered_blocks
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None or block_hash in self.hash_to_block:
+            if block.block_hash is not None or hashes[i] in self.hash_to_block:
                 continue  # already published, or an identical block is: keep this one private
-            block.block_hash = block_hash
+            block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            self.hash_to_block[block_hash] = block.block_id
+            self.hash_to_block[hashes[i]] = block.block_id
+        seq.num_registered_blocks = num_full
 
     # ---- allocation verbs -------------------------------------------------------------------
     def _take_block(self) -> int:
@@ -116,6 +130,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         """Could the sequence's table cover num_computed + num_new_tokens, leaving `reserve` blocks free?"""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0 and reserve <= 0 and not self._needs_copy(seq):
+            return True  # most decode steps: the last block has room, and it is this sequence's own
         return self.num_free_blocks - max(needed, 0) - self._needs_copy(seq) >= reserve
 
     def _needs_copy(self, seq: Sequence) -> bool:
@@ -132,6 +148,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def admit(self, seq: Sequence) -> int:
         """First allocation of a waiting sequence: share cached prefix blocks. Returns tokens served from cache."""
@@ -142,6 +159,7 @@ class BlockManager:
         for block_id in hits:
             self._ref(block_id)
         seq.block_table = list(hits)
+        seq.num_registered_blocks = len(hits)  # published already: that is how they were found
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         return seq.num_computed_tokens
@@ -154,6 +172,8 @@ class BlockManager:
             self.blocks[shared].ref_count -= 1  # still >= 1: the other sample keeps it
             self.pending_copies.append((shared, seq.block_table[-1]))
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return
         if needed > self.num_free_blocks:
             raise RuntimeError(f"allocate: need {needed} blocks, {self.num_free_blocks} free")
         for _ in range(needed):
@@ -171,6 +191,7 @@ class BlockManager:
                 else:
                     self.free_ids.append(block_id)
         seq.block_table = []
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 

@@ -6,6 +6,11 @@ import logging
 
 from .sequence import Sequence
 
+try:
+    from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+except ImportError:  # pragma: no cover - older tokenizers: the window code alone
+    DecodeStream = None
+
 log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for bytes that do not (yet) form a character
@@ -21,33 +26,66 @@ class IncrementalDetokenizer:
     as it would be in the full decode. Only output tokens are decoded, so output_text converges
     on decode(output_token_ids), which finalize() makes exact.
 
+    With a transformers fast tokenizer (and no clean-up pass), the same window rule runs inside the
+    tokenizers library: a DecodeStream per sequence takes one call per token instead of two decodes
+    and the slicing around them, and the offsets are kept as if the window code had run, so it takes
+    over if the stream ever fails. stream=False forces the window code.
+
     Engine protocol per new token: prev = len(output_text); update(); find_stop(seq, prev) when the
     request has stop strings; at a finish without a stop-string match, finalize(); then take_delta().
     The tokenizer is used from the calling thread only (Rust tokenizers are not shareable).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream: bool = True):
         self.tokenizer = tokenizer
+        self._decode = self._hf_decode
+        self._backend = None
+        # A transformers fast tokenizer decodes with its Rust backend and then, only when
+        # clean_up_tokenization_spaces is set, runs a Python clean-up. Without that clean-up, calling the
+        # backend directly returns the same string for a fifth of the cost.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            self._decode = backend.decode
+            if stream and DecodeStream is not None:
+                self._backend = backend
 
-    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+    def _hf_decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def update(self, seq: Sequence) -> None:
         """Append the text of output tokens not yet rendered, holding back a trailing partial character."""
-        base = seq.num_prompt_tokens
+        base = len(seq.prompt_token_ids)
         tokens = seq.token_ids
-        if len(tokens) - base <= seq.detok_read_offset:
+        stream = seq.detok_stream
+        if stream is None and self._backend is not None and seq.detok_num_fed == 0 and len(tokens) > base:
+            stream = seq.detok_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+        if stream:
+            try:
+                for i in range(base + seq.detok_num_fed, len(tokens)):
+                    text = stream.step(self._backend, tokens[i])
+                    seq.detok_num_fed += 1
+                    if text is not None:
+                        seq.output_text += text
+                        seq.detok_prefix_offset = seq.detok_read_offset
+                        seq.detok_read_offset = i + 1 - base
+                return
+            except Exception:  # noqa: BLE001 - whatever the stream refuses, the window code below renders
+                log.warning("request %s: streaming decoder failed; decoding windows instead", seq.request_id,
+                            exc_info=True)
+                seq.detok_stream = False
+        read_offset = seq.detok_read_offset
+        if len(tokens) - base <= read_offset:
             return
         skip = seq.params.skip_special_tokens
-        prefix, read = base + seq.detok_prefix_offset, base + seq.detok_read_offset
+        prefix, read = base + seq.detok_prefix_offset, base + read_offset
         prefix_text = self._decode(tokens[prefix:read], skip) if read > prefix else ""
         window_text = self._decode(tokens[prefix:], skip)
         # A trailing U+FFFD may be the first bytes of a character the next token completes: wait.
         # Otherwise the window ends on a character boundary and its text is final. (A special token
         # skipped by the decode adds no text; it simply stays in the window until something follows.)
-        if len(window_text) > len(prefix_text) and not window_text.endswith(_REPLACEMENT):
+        if len(window_text) > len(prefix_text) and window_text[-1] != _REPLACEMENT:
             seq.output_text += window_text[len(prefix_text):]
-            seq.detok_prefix_offset = seq.detok_read_offset
+            seq.detok_prefix_offset = read_offset
             seq.detok_read_offset = len(tokens) - base
 
     def find_stop(self, seq: Sequence, prev_text_len: int) -> bool:
@@ -92,6 +130,7 @@ class IncrementalDetokenizer:
         prev_len = min(len(seq.output_text), len(full))
         seq.output_text = full
         seq.detok_prefix_offset = seq.detok_read_offset = seq.num_output_tokens
+        seq.detok_stream = False  # the text is whole: any later token goes through the window code
         self.find_stop(seq, prev_len)
 
     def take_delta(self, seq: Sequence, finished: bool) -> str:

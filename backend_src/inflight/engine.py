@@ -26,6 +26,8 @@ from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
 
+GAUGE_PERIOD_S = 0.05  # how often a busy engine refreshes its gauges (the exporter reads them every ~1 s)
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_queue_size; the caller should retry later (HTTP 503 / UNAVAILABLE)."""
@@ -53,6 +55,11 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # live sequences by id (a request's samples are sequences of their own)
         self.groups: dict[str, list[str]] = {}  # request id -> its live samples' sequence ids
         self._last_prefix = (0, 0)
+        self._gauges_at = -1.0  # when the gauges were last set (time.monotonic)
+        # Render text one step late, while the next forward runs, for requests whose finish needs no text (see
+        # _render_deferred). Only where the forward runs asynchronously: on CPU it would only add a step of latency.
+        self.defer_detokenize = self.runner.is_cuda
+        self._deferred: dict[Sequence, int] = {}  # request -> its newest token, not rendered yet
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases: set_step_timer()
         self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
@@ -164,7 +171,11 @@ class LLMEngine:
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
         logits, sample_seqs = self.runner.execute(sched.scheduled)
+        # On CUDA the forward runs now (nothing above waited for it): host work up to the sampler's read of its
+        # tokens overlaps it, so the step does not wait for that work.
         self.scheduler.advance(sched.scheduled)
+        rendered = self._render_deferred()
+        timer.lap("overlap")
         outputs = []
         if sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
@@ -173,13 +184,17 @@ class LLMEngine:
                 logits, sample_seqs = self._fork_samples(logits, sample_seqs, tokens, logprobs)
             tops = self._top_logprobs(logits, sample_seqs, tokens)
             timer.lap("sample")
-            now = time.monotonic()
-            for seq, token, logprob, top in zip(sample_seqs, tokens, logprobs, tops):
-                outputs.append(self._on_token(seq, token, logprob, top, now))
+            outputs = self._on_tokens(sample_seqs, tokens, logprobs, tops, rendered)
             timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
+        outputs[:0] = rendered.values()
         self._record_prefix_stats()
-        self.metrics.on_step(time.monotonic() - t0, sched.num_batched_tokens)
-        self._update_gauges()
+        now = time.monotonic()
+        self.metrics.on_step(now - t0, sched.num_batched_tokens)
+        # Gauges are read about once a second and cost a pass over the running requests: a busy engine
+        # refreshes them every GAUGE_PERIOD_S. A step after which nothing runs refreshes them, since the next
+        # step may be a long way off.
+        if now - self._gauges_at >= GAUGE_PERIOD_S or not self.scheduler.running:
+            self._update_gauges()
         timer.end_step()
         return outputs
 
@@ -224,41 +239,98 @@ class LLMEngine:
                 tops[i] = top
         return tops
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> RequestOutput:
-        seq.append_token(token)
-        seq.cumulative_logprob += logprob
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        self.metrics.on_tokens(seq, 1, now)
-        prev_len = len(seq.output_text)
-        self.detokenizer.update(seq)
-        params = seq.params
-        logprobs = None
-        if top is not None:
-            # The sampled token's text is what it added to the output; the others' are decoded alone.
-            texts = {t: seq.output_text[prev_len:] if t == token else self.detokenizer.tokenizer.decode([t])
-                     for t in top}
-            logprobs = [TokenLogprobs(token, logprob, {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
-        reason = None
-        stop_string_matched = bool(params.stop) and self.detokenizer.find_stop(seq, prev_len)
-        eos = self.eos_token_ids if params.end_id is None else (params.end_id,)
-        if stop_string_matched:
-            reason = FinishReason.STOP
-        elif token in eos and not params.ignore_eos:
-            reason = FinishReason.EOS
-        elif token in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.config.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            return self._finish(seq, reason, now, [token], stop_string_matched, logprobs)
-        return RequestOutput(seq.group_id, [token], self.detokenizer.take_delta(seq, finished=False), False,
-                             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                             cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs, index=seq.sample_index)
+    def _on_tokens(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float], tops: list,
+                   rendered: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """Append each row's new token, check for a finish, and render its text (now, or next step: see
+        _render_deferred): the per-token host work of a step. It runs for every running request every step,
+        so it is one tight loop with few calls. A sample that finishes takes its entry out of `rendered`."""
+        now = time.monotonic()
+        first_token_waits, gaps = [], []
+        for seq, token, logprob in zip(seqs, token_ids, logprobs):
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprob
+            if seq.last_token_time is None:
+                seq.first_token_time = now
+                first_token_waits.append(now - seq.arrival_time)
+            else:
+                gaps.append(now - seq.last_token_time)
+            seq.last_token_time = now
+        self.metrics.on_step_tokens(first_token_waits, gaps)
+
+        detok, max_len, defer = self.detokenizer, self.config.max_model_len, self.defer_detokenize
+        outputs = []
+        for seq, token, logprob, top in zip(seqs, token_ids, logprobs, tops):
+            params = seq.params
+            stop_string_matched = False
+            token_logprobs = None
+            # Text is needed now for a stop string (it may end the request at this token) and for logprobs
+            # (they carry the token's text); otherwise it may wait for the next step.
+            render_now = bool(params.stop) or top is not None or not defer
+            if render_now:
+                prev_len = len(seq.output_text)
+                detok.update(seq)
+                if top is not None:
+                    # The sampled token's text is what it added to the output; the others' are decoded alone.
+                    texts = {t: seq.output_text[prev_len:] if t == token else detok.tokenizer.decode([t])
+                             for t in top}
+                    token_logprobs = [TokenLogprobs(token, logprob,
+                                                    {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
+                stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
+            num_tokens = len(seq.token_ids)
+            num_prompt = len(seq.prompt_token_ids)
+            if stop_string_matched:
+                reason = FinishReason.STOP
+            elif token in (self.eos_token_ids if params.end_id is None else (params.end_id,)) \
+                    and not params.ignore_eos:
+                reason = FinishReason.EOS
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                reason = FinishReason.STOP
+            elif num_tokens - num_prompt >= seq.max_tokens or num_tokens >= max_len:
+                reason = FinishReason.LENGTH
+            elif not render_now:
+                self._deferred[seq] = token
+                continue
+            else:
+                outputs.append(RequestOutput(seq.group_id, [token], detok.take_delta(seq, False), False, None,
+                                             num_prompt, num_tokens - num_prompt, seq.cumulative_logprob, None,
+                                             token_logprobs, seq.sample_index))
+                continue
+            outputs.append(self._finish(seq, reason, now, [token], stop_string_matched, token_logprobs,
+                                        rendered.pop(seq.request_id, None)))
+        return outputs
+
+    def _render_deferred(self) -> dict[str, RequestOutput]:
+        """Outputs for the tokens whose text was put off last step, by sample (Sequence.request_id).
+
+        With defer_detokenize (CUDA), a request without stop strings or logprobs has nothing in its finish
+        decision or output that needs the new token's text now (EOS, stop token ids and length are token
+        checks), so rendering it waits for the next step, where it runs while that step's forward does: its
+        output arrives one step later, and the step's critical path loses the detokenizer. Text and tokens
+        are those an immediate rendering gives.
+        """
+        deferred, self._deferred = self._deferred, {}
+        detok = self.detokenizer
+        rendered = {}
+        for seq, token in deferred.items():
+            detok.update(seq)
+            num_prompt = len(seq.prompt_token_ids)
+            rendered[seq.request_id] = RequestOutput(
+                seq.group_id, [token], detok.take_delta(seq, False), False, None, num_prompt,
+                len(seq.token_ids) - num_prompt, seq.cumulative_logprob, None, None, seq.sample_index)
+        return rendered
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float, new_token_ids: list[int] | None = None,
-                stop_string_matched: bool = False, logprobs: list | None = None) -> RequestOutput:
+                stop_string_matched: bool = False, logprobs: list | None = None,
+                rendered: RequestOutput | None = None) -> RequestOutput:
+        """The final output. It also carries a token whose rendering was deferred (finalize renders it) and,
+        when given, the output rendered for the previous token this step, so a sample gets one output a step."""
+        token_ids = new_token_ids or []
+        deferred = self._deferred.pop(seq, None)
+        if deferred is not None:
+            token_ids = [deferred, *token_ids]
+        text = ""
+        if rendered is not None:
+            token_ids, text = rendered.new_token_ids + token_ids, rendered.text_delta
         if not stop_string_matched:  # the text was cut at the stop string: finalize would restore it
             self.detokenizer.finalize(seq)
         seq.status = SequenceStatus.FINISHED
@@ -271,7 +343,7 @@ class LLMEngine:
         if not samples:
             del self.groups[seq.group_id]
         self.metrics.on_finish(seq, now)
-        return RequestOutput(seq.group_id, new_token_ids or [], self.detokenizer.take_delta(seq, finished=True),
+        return RequestOutput(seq.group_id, token_ids, text + self.detokenizer.take_delta(seq, finished=True),
                              True, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
                              seq.error, logprobs, seq.sample_index)
 
@@ -283,6 +355,7 @@ class LLMEngine:
             self._last_prefix = (bm.prefix_queries, bm.prefix_hits)
 
     def _update_gauges(self) -> None:
+        self._gauges_at = time.monotonic()
         bm, sch = self.block_manager, self.scheduler
         self.metrics.set_gauges(
             num_requests_running=len(sch.running),

@@ -162,6 +162,22 @@ class EngineMetrics:
             else:
                 self.histograms["inter_token_latency_seconds"].observe(max(0.0, now - last) / num_new, num_new)
 
+    def on_step_tokens(self, first_token_waits: list[float], gaps: list[float]) -> None:
+        """One step's output tokens, one per request, under one lock: the engine's hot path.
+
+        first_token_waits: arrival to first token, for requests whose first token this is; gaps: time since
+        the request's previous token, for the others. (on_tokens does the same per request, keeping its own
+        marks; the engine has them on its sequences already.)
+        """
+        with self._lock:
+            self.generation_tokens_total += len(first_token_waits) + len(gaps)
+            ttft = self.histograms["time_to_first_token_seconds"]
+            for wait in first_token_waits:
+                ttft.observe(max(0.0, wait))
+            itl = self.histograms["inter_token_latency_seconds"]
+            for gap in gaps:
+                itl.observe(max(0.0, gap))
+
     def on_finish(self, seq: Sequence, now: float) -> None:
         """End to end latency and the finished count under seq.finish_reason.value ('unknown' if unset)."""
         reason = seq.finish_reason.value if seq.finish_reason is not None else "unknown"

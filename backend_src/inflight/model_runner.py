@@ -1,6 +1,7 @@
 """Translates scheduled sequences into one flat token batch, runs the model, returns the rows to sample."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -11,7 +12,7 @@ from . import attention
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .cuda_graphs import StaticDecode
-from .kv_sizing import measure_kv_blocks
+from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
 from .model import cpu_forward
 from .model.fused_forward import fused_forward
@@ -40,18 +41,23 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
         self.model_config = ModelConfig.from_dir(config.model)
-        self.model = load_model(config.model, self.dtype, self.device)
-        self.forward = self._pick_forward()
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
-        self.num_blocks = config.num_kv_blocks or (
-            self._blocks_from_gpu_memory() if self.is_cuda else self._blocks_from_memory_budget())
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.static_decode: StaticDecode | None = None
-        if self.is_cuda and not config.enforce_eager:
-            if attention.backend_for(self.device) == "triton":
-                self.enable_static_decode(capture=True)
-            else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
-                log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
+        # Sized from device memory, the pool is measured against what this engine uses, so loading, sizing and
+        # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
+        sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
+        with sizing:
+            self.model = load_model(config.model, self.dtype, self.device)
+            self.forward = self._pick_forward()
+            self.num_blocks = config.num_kv_blocks or (
+                self._blocks_from_gpu_memory(sizing.used_before) if self.is_cuda
+                else self._blocks_from_memory_budget())
+            self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self.is_cuda and not config.enforce_eager:
+                if attention.backend_for(self.device) == "triton":
+                    self.enable_static_decode(capture=True)
+                else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
+                    log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
         log.info("model %s: %d layers, KV cache %d blocks of %d tokens (%s, %s)", config.model,
                  self.model_config.num_layers, self.num_blocks, config.block_size, self.dtype, self.device)
 
@@ -87,7 +93,7 @@ class ModelRunner:
                              f"one block needs {self.bytes_per_block()} bytes")
         return int(num)
 
-    def _blocks_from_gpu_memory(self) -> int:
+    def _blocks_from_gpu_memory(self, used_before: int) -> int:
         def make_kv_caches(num_blocks: int):
             k, v = self._new_kv_tensors(num_blocks)
             return list(zip(k, v)), 2 * k.numel() * k.element_size()
@@ -95,7 +101,7 @@ class ModelRunner:
         cfg = self.config
         return measure_kv_blocks(self.forward, self.model.compute_logits, make_kv_caches,
                                  cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs, cfg.block_size,
-                                 self.bytes_per_block(), cfg.gpu_memory_utilization, self.device)
+                                 self.bytes_per_block(), cfg.gpu_memory_utilization, self.device, used_before)
 
     def _new_kv_tensors(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V caches in the [layers, blocks, block_size, kv_heads, head_dim] layout, zeroed."""

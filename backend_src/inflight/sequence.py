@@ -74,6 +74,7 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, memoized by the block manager
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.is_fast_lane = False
         self.num_preemptions = 0
         self.arrival_index = next(_arrival_counter)
@@ -89,11 +90,10 @@ class Sequence:
         self.num_text_sent = 0  # characters of output_text already handed out as deltas
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
-        # Sampling state: banned token sequences (the engine tokenizes params.bad_words into these) and the
-        # per-request torch.Generator for seeded sampling, created lazily by the sampler so a seeded request
-        # draws the same noise whatever shares its batch.
+        self.detok_stream = None  # the tokenizers DecodeStream rendering this request (False: not used)
+        self.detok_num_fed = 0  # output tokens fed to it
+        # Banned token sequences: the engine tokenizes params.bad_words into these for the sampler.
         self.bad_word_ids: list[list[int]] = []
-        self.generator = None  # torch.Generator | None; kept untyped so this module needs no torch import
         # Samples of one request (SamplingParams.n): the first sequence carries the request's id; once its prompt
         # is computed it forks the others, which share its KV blocks (block_manager.fork) and its group_id.
         self.group_id = request_id

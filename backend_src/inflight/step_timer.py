@@ -6,7 +6,9 @@ import time
 
 import torch
 
-PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "other")
+# overlap: host work between launching the forward and the sampler (the scheduler's bookkeeping, deferred
+# detokenizing), which on CUDA runs while the device computes.
+PHASES = ("schedule", "prepare", "forward", "overlap", "sample", "detokenize", "other")
 
 
 class NullTimer:

@@ -204,7 +204,7 @@ def test_smollm2_greedy_matches_hugging_face(server):
     ("llm", "Emoji for pizza: 🍕 Emoji for sushi:", {"temperature": 0.0}),
     ("llm", "请用中文回答：天空为什么是蓝色的？", {"temperature": 0.0}),
     # Seeded sampling from the random model: byte-level tokens that split characters between steps.
-    ("llm_tiny", "你好，世界 😀 🎉", {"temperature": 1.0, "seed": 16}),
+    ("llm_tiny", "你好，世界 😀 🎉", {"temperature": 1.0, "seed": 79}),
 ])
 def test_streamed_deltas_equal_the_whole_text_byte_for_byte(server, model, prompt, sampling):
     common = dict(max_tokens=24, ignore_eos=True, **sampling)

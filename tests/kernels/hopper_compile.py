@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import sys
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -73,12 +75,18 @@ def capture_launches(module, names: tuple[str, ...]) -> Iterator[list[tuple[Any,
     assert not missing, f"never launched: {sorted(missing)}"
 
 
-def compile_for_sm90(launches) -> list[str]:
+# Shared memory one block may use on sm_90 (H100, H200): 227 KiB. A variant needing more fails at launch.
+SM90_MAX_SHARED = 232448
+
+
+def compile_for_sm90(launches, stats: list[dict] | None = None) -> list[str]:
     """Compile every distinct launch to sm_90 machine code; return one line per compiled variant.
 
     Signature, constexprs and specialisation (ints equal to 1 folded, 16-divisibility hints) come from
     triton's own binder, as in JITFunction.run (triton 3.6, pinned in requirements.txt); only the target
-    is fixed instead of read from a device.
+    is fixed instead of read from a device. `stats`, when given, receives per variant its kernel, dtypes,
+    named constexprs, shared memory bytes, num_warps, num_stages and compile seconds (wall and CPU). The
+    compiled kernels land in triton's cache, under the key a run on an sm_90 device computes.
     """
     import triton
     from triton import knobs
@@ -99,11 +107,25 @@ def compile_for_sm90(launches) -> list[str]:
         if key in done:
             continue
         done.add(key)
+        t0, cpu0 = time.perf_counter(), _cpu_seconds()
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
+        seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
         named = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()
                  if kernel.arg_names[path[0]].isupper()}
         dtypes = sorted({t for t in signature.values() if t.startswith("*")})
-        lines.append(f"{kernel.__name__} {','.join(dtypes)} {named}")
+        shared = compiled.metadata.shared
+        lines.append(f"{kernel.__name__} {','.join(dtypes)} {named} shared={shared}")
+        if stats is not None:
+            stats.append({"kernel": kernel.__name__, "dtypes": dtypes, "constexprs": named, "shared": shared,
+                          "num_warps": compiled.metadata.num_warps, "num_stages": compiled.metadata.num_stages,
+                          "seconds": seconds, "cpu_seconds": cpu})
     return lines
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas): unlike wall time, not inflated by a busy
+    machine."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime

@@ -293,3 +293,52 @@ def test_property_stop_strings_cut_at_first_occurrence(tokenizer, text, stops):
     assert streamed == expected
     assert stopped == bool(hits)
     assert not any(s in streamed for s in stops)
+
+
+# ---- the streaming decoder (tokenizers' DecodeStream) against the window code ---------------------------
+
+def _deltas(detok: IncrementalDetokenizer, ids: list[int], skip: bool) -> list[str]:
+    seq = make_seq(skip_special_tokens=skip)
+    out = []
+    for t in ids:
+        seq.append_token(t)
+        prev = len(seq.output_text)
+        detok.update(seq)
+        out.append(seq.output_text[prev:])
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_property_stream_and_window_render_every_token_alike(tokenizer, data):
+    # Token for token, not only in the end: random ids, byte tokens that split or never form characters,
+    # special tokens skipped or not.
+    pool = st.one_of(st.integers(0, len(tokenizer) - 1), st.integers(0, 300),
+                     st.sampled_from(tokenizer.all_special_ids))
+    ids = data.draw(st.lists(pool, max_size=30))
+    skip = data.draw(st.booleans())
+    streamed = IncrementalDetokenizer(tokenizer)
+    assert streamed._backend is not None, "the fixture's tokenizer should take the streaming path"
+    assert _deltas(streamed, ids, skip) == _deltas(IncrementalDetokenizer(tokenizer, stream=False), ids, skip)
+
+
+def test_a_failing_stream_hands_over_to_the_window_code(tokenizer, monkeypatch):
+    text = "Héllo 中文 wörld 🙂 and more text after it."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    calls = []
+
+    class FlakyStream:  # works for a few tokens, holding one back, then raises
+        def __init__(self, skip_special_tokens):
+            from tokenizers.decoders import DecodeStream
+            self.real = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+        def step(self, backend, token):
+            calls.append(token)
+            if len(calls) == 6:
+                raise RuntimeError("invalid prefix")
+            return self.real.step(backend, token)
+
+    monkeypatch.setattr("inflight.detokenizer.DecodeStream", FlakyStream)
+    deltas, seq, _ = stream(tokenizer, ids)
+    assert len(calls) == 6 and seq.detok_stream is False
+    assert "".join(deltas) == text

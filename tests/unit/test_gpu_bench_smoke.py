@@ -21,9 +21,15 @@ def test_gpu_bench_smoke_runs_and_reports(tmp_path):
     report = json.loads(report_path.read_text())
     run = report["throughput"]
     assert run["output_tokens"] == run["expected_output_tokens"] > 0 and not run["truncated_at_time_limit"]
-    assert set(run["phase_ms_per_step"]) == {"schedule", "prepare", "forward", "sample", "detokenize", "other"}
+    assert run["output_tokens_per_s"] > 0
+    phases = {"schedule", "prepare", "forward", "overlap", "sample", "detokenize", "other"}
+    for view in ("host_view", "device_view"):  # the breakdown is a separate run, timed both ways
+        part = report["breakdown"][view]
+        assert part["output_tokens"] > 0 and part["decode_steps"] > 0, view
+        assert set(part["all_steps"]) == phases and part["full_batch_decode_count"] > 0, view
+    assert report["breakdown"]["critical_path_ms"] > 0
     decode = report["roofline"]["all_decode_steps"]
-    assert run["decode_steps"] > 0 and decode["steps"] > 0
+    assert decode["steps"] > 0
     assert 0 < decode["fraction_of_step"] < decode["fraction_of_forward"]
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"triton_vs_torch_attention", "static_decode_vs_eager"}

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.sampler import Sampler, SamplerOutput
+from inflight.sampler import Sampler, SamplerOutput, seeded_uniform
 from inflight.sequence import SamplingParams, Sequence
 
 V = 16
@@ -330,14 +330,20 @@ def test_seed_at_top_of_range_is_accepted():
     assert len(Sampler()(ROW[None, :], [seq], EOS).token_ids) == 1
 
 
-def test_generator_lives_on_the_sequence():
-    seq = make_seq(temperature=1.0, seed=11)
-    assert seq.generator is None
-    Sampler()(ROW[None, :], [seq], EOS)
-    assert isinstance(seq.generator, torch.Generator)
-    unseeded = make_seq(temperature=1.0)
-    Sampler()(ROW[None, :], [unseeded], EOS)
-    assert unseeded.generator is None
+def test_seeded_draw_is_the_inverse_transform_of_its_seeded_uniform():
+    # Two live tokens of probability 1/4 and 3/4: token 0 exactly when u <= 1/4, for u of (seed, output index).
+    row = torch.log(torch.tensor([0.25, 0.75] + [0.0] * (V - 2)).clamp_min(1e-30))
+    for seed in range(40):
+        seq = make_seq(temperature=1.0, seed=seed, output=[3] * (seed % 5))
+        expected = 0 if seeded_uniform(seed, seq.num_output_tokens) <= 0.25 else 1
+        assert Sampler()(row[None, :], [seq], EOS).token_ids == [expected]
+
+
+def test_seeded_uniform_is_in_the_unit_interval_and_varies():
+    draws = [seeded_uniform(seed, i) for seed in (0, 1, 2**64 - 1) for i in range(200)]
+    assert all(0.0 < u <= 1.0 for u in draws)
+    assert len(set(draws)) > 590
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.05
 
 
 def test_unseeded_rows_reproducible_with_sampler_seed():
@@ -346,3 +352,37 @@ def test_unseeded_rows_reproducible_with_sampler_seed():
     c = run_steps(Sampler(seed=4), [make_seq(temperature=1.0, rid=str(i)) for i in range(4)], 8, flat_logits)
     assert a == b
     assert a != c
+
+
+# ---- host work: penalty counts kept between steps, one copy per step ----------------------------------
+
+def test_penalty_counts_follow_the_tokens_across_steps_and_reused_rows():
+    # The sampler keeps counts between calls and adds only new tokens: after many steps, with a sequence
+    # leaving and a new one taking its row at each, the processed logits equal those of a fresh sampler.
+    torch.manual_seed(0)
+    kept = Sampler()
+    live = [make_seq(prompt=[1, 2, 2], temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                     presence_penalty=0.25, rid=str(i)) for i in range(5)]
+    for step in range(14):
+        logits = torch.randn(len(live), V)
+        got = kept.process(logits, live, EOS)
+        assert torch.equal(got, Sampler().process(logits, live, EOS)), f"step {step}"
+        for seq in live:
+            seq.append_token(int(torch.randint(V, ())))
+        live = live[1:] + [make_seq(prompt=[step % V, 5], output=[step % 3], temperature=0.0,
+                                    repetition_penalty=2.0, frequency_penalty=0.1, rid=f"n{step}")]
+    assert kept.counts.output.shape[0] == 8  # 19 sequences passed through 8 rows
+
+
+def test_a_sampled_step_makes_one_copy_of_host_values(monkeypatch):
+    copies = []
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: copies.append(a) or real(self, *a, **k))
+    # On CUDA, torch.tensor(values, device=...) is a copy that waits for the forward: none may be made.
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor called in a sampled step"))
+    seqs = [make_seq(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.2,
+                     presence_penalty=0.5, seed=i if i % 2 else None, bad_word_ids=[[3]], min_tokens=4,
+                     output=[1], rid=str(i)) for i in range(6)]
+    seqs.append(make_seq(temperature=0.0, frequency_penalty=1.0, rid="g"))
+    Sampler()(torch.randn(len(seqs), V), seqs, EOS)
+    assert len(copies) == 1
