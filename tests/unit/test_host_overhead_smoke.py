@@ -1,4 +1,4 @@
-"""perf/host_overhead.py at a handful of requests, so the benchmark cannot rot: both modes, every phase, JSON."""
+"""perf/host_overhead.py at a handful of requests, so the benchmark cannot rot: every mode and phase, JSON."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,9 @@ def test_host_overhead_smoke(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["greedy_ms_per_step"] > 0 and report["sampled_ms_per_step"] > 0
+    assert report["greedy_ms_per_step"] > 0 and report["sampled_ms_per_step"] > 0 and report["stop_ms_per_step"] > 0
     runs = {(r["mode"], r["running"]): r for r in report["results"]}
-    assert set(runs) == {("greedy", 2), ("greedy", 4), ("sampled", 2), ("sampled", 4)}
+    assert set(runs) == {(mode, n) for mode in ("greedy", "sampled", "stop") for n in (2, 4)}
     for r in runs.values():
         phases = set(r["ms_per_step"])
         assert {"schedule", "prepare", "advance", "overlap", "sample", "detokenize", "other", "sampler_ops"} <= phases
