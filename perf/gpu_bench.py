@@ -58,7 +58,7 @@ HBM_BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), 
 # differently. perf/bf16_tolerance.py ran the same comparison on CPU with one change of rounding in attention
 # (the kernel's bf16 P x V, or fp32 attention rounded once, against torch's bf16 attention): 1.8e-2 to 2.0e-2,
 # greedy ids parting after 6-21 tokens (perf/results/host_overhead/bf16_tolerance.json). Three times that
-# leaves room for the GPU's different summation orders; an indexing or masking bug errs by 0.3 or more.
+# leaves room for the GPU's different summation orders, and is far below what a wrong index or mask does.
 BF16_LOGITS_TOLERANCE = 6e-2
 
 
