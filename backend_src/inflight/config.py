@@ -15,8 +15,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: derive from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA)
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    # CUDA: share of the device's memory for weights + activations + KV cache; the KV cache gets what a
-    # warm-up forward of max_num_batched_tokens leaves (see kv_sizing.py).
+    # CUDA: this engine's share of the whole device's memory for weights + activations + KV cache; the KV cache
+    # gets what a warm-up forward of max_num_batched_tokens leaves. Engines on one device need shares that add up
+    # to what it can give, e.g. 0.45 each for two (see kv_sizing.py).
     gpu_memory_utilization: float = 0.9
     # CUDA: True runs decode steps eagerly instead of replaying CUDA graphs (CPU is always eager).
     enforce_eager: bool = False
