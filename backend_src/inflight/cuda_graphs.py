@@ -42,9 +42,9 @@ class StaticDecode:
 
     Host side, a step costs one short Python pass over its rows and two copies to the device: the inputs
     are written into persistent (pinned, on CUDA) staging buffers, and block tables are kept per sequence
-    in a host table that only receives each sequence's new block ids (see _table_rows). Reusing the staging
-    buffers is safe because the engine waits for every step's sampled tokens before preparing the next, so
-    the previous step's copies are done.
+    in a host table that only receives each sequence's new block ids (see _table_rows). The staging buffers
+    are reused only once the previous step's copies out of them are done (an event; the engine reads every
+    step's sampled tokens, so they always are, unless a step sampled nothing).
     """
 
     def __init__(self, forward: Callable, kv_caches, *, max_num_seqs: int, max_model_len: int, block_size: int,
@@ -84,6 +84,7 @@ class StaticDecode:
         self._slot_len = [0] * n  # how many of its ids are written
         self._slot_last = [-1] * n  # the last id written: a block replaced in place (copy-on-write) shows here
         self._free_slots = list(range(n - 1, -1, -1))
+        self._copied = torch.cuda.Event() if self.pin else None  # recorded after each step's copies
 
     def fits(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         return len(scheduled) <= self.buckets[-1] and all(n == 1 for _, n in scheduled)
@@ -141,6 +142,8 @@ class StaticDecode:
         bs = self.block_size
         seqs = [seq for seq, _ in scheduled]
         pos = [seq.num_computed_tokens for seq in seqs]
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the last step's copies still read the staging buffers
         h64, h32 = self._np64, self._np32
         h64[0, :num] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
         h64[1, :num] = pos
@@ -154,6 +157,8 @@ class StaticDecode:
         self._dev64[:, :bucket].copy_(self._host64[:, :bucket], non_blocking=nb)
         end = n + bucket * self.max_blocks  # seq lens (all n) and the bucket's table rows
         self._dev32[:end].copy_(self._host32[:end], non_blocking=nb)
+        if self._copied is not None:
+            self._copied.record()
         sample_idx = [i for i, (seq, p) in enumerate(zip(seqs, pos)) if p + 1 == len(seq.token_ids)]
         sample_seqs = [seqs[i] for i in sample_idx]
         return self.input_ids[:bucket], self.positions[:bucket], self._meta(bucket, lens), sample_idx, sample_seqs

@@ -1,7 +1,8 @@
 """KV cache size on CUDA: what a share of the device's memory leaves after weights and a warm-up forward.
 
 gpu_memory_utilization is this engine's share of the *whole* device (total memory, not what is free): its
-weights, activations, KV cache and CUDA graphs together stay under fraction x total. Two engines on one
+weights, activations and KV cache together stay under fraction x total (the CUDA graphs' small pool comes on
+top, from the rest). Two engines on one
 device (the `llm` and `llm_dynamic` models) need shares that add up to at most what the device can give,
 e.g. 0.45 each; an engine whose share does not fit in the memory left free fails to load, naming the numbers.
 
