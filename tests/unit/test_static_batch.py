@@ -134,15 +134,18 @@ def test_unloading_cancels_the_running_batch(engine):
     assert_pool_whole(engine)
 
 
-def test_optional_outputs_only_when_asked_and_a_stream_never_echoes_the_prompt(engine):
+def test_optional_outputs_only_when_asked_and_only_an_unstreamed_answer_echoes_the_prompt(engine):
     transport = RecordingTransport()
     runner = StaticBatchRunner(engine, transport)
     runner.run([item(engine, "plain", max_tokens=3, stream=True),
-                item(engine, "all", max_tokens=3, stream=True, exclude_input_in_output=False,
-                     return_finish_reason=True, return_num_input_tokens=True, return_logprobs=True)])
+                item(engine, "all", max_tokens=3, stream=True,
+                     return_finish_reason=True, return_num_input_tokens=True, return_logprobs=True),
+                item(engine, "echo", max_tokens=3, exclude_input_in_output=False)])
     assert all(set(o) == {"output_ids", "text_output"} for o, _, _ in transport.sent["plain"])
     responses = [o for o, _, _ in transport.sent["all"]]
     assert not any(o["text_output"][0].decode().startswith("Hello there") for o in responses)  # a stream never echoes
+    echoed = [o for o, _, _ in transport.sent["echo"]]
+    assert len(echoed) == 1 and echoed[0]["text_output"][0].decode().startswith("Hello there, how are you?")
     assert [o["finish_reason"][0] for o in responses] == [b"None"] * (len(responses) - 1) + [b"length"]
     assert all({"num_input_tokens", "logprobs"} <= set(o) for o in responses)
 
@@ -157,7 +160,7 @@ def test_runner_refuses_an_in_flight_engine():
 def test_request_config_round_trips_every_field():
     req = parse_request({"text_input": np.array([b"Hi"], dtype=np.object_),
                          "stop_words": np.array([b"end", b"stop"], dtype=np.object_)},
-                        {"max_tokens": "7", "temperature": 0.5, "top_k": 3, "seed": 2**63, "stream": True,
+                        {"max_tokens": "7", "temperature": 0.5, "top_k": 3, "seed": 2**63, "stream": False,
                          "exclude_input_in_output": False, "return_logprobs": True, "priority": -2,
                          "bad_words": ["x"]})
     back, arrival = decode_request(encode_request(req, arrival_unix=time.time() - 2.0))
