@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from triton_server import free_ports
+from server_harness.server import free_ports
 
 IMAGE = os.environ.get("IMAGE", "llm-triton:cpu")
 READY_TIMEOUT_S = 420  # SmolLM2 in both arms loads in 20-60 s alone; a busy 2-core machine takes longer
