@@ -20,11 +20,11 @@ test: setup
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) --ignore=tests/deploy tests
 
 # Containers and deployment (root, Debian 12): podman, Prometheus and a local Debian base image
-# (scripts/setup_docker.sh), the CPU image (docker/build.sh, from that base; torch from this machine's pip
+# (scripts/setup_docker.sh), the CPU image (docker/build.py, from that base; torch from this machine's pip
 # settings), then tests/deploy: the image, the dashboard and alerts against live Prometheus, lint checks.
 test-docker: setup
 	bash scripts/setup_docker.sh
-	BASE=local/debian:bookworm TORCH_INDEX= bash docker/build.sh cpu
+	$(PYTHON) docker/build.py cpu --base local/debian:bookworm --torch-index ""
 	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests/deploy
 
 serve: setup

@@ -28,9 +28,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY=$VENV/bin/python
 
-# 2. Packages, only when requirements.txt (or requirements-serve.txt, which it includes) changed since the
-#    last successful install.
-want=$(cat requirements.txt requirements-serve.txt | sha256sum | cut -d' ' -f1)
+# 2. Packages, only when requirements.txt (or a requirements-*.txt it includes) changed since the last
+#    successful install.
+want=$(cat requirements.txt requirements-serve.txt requirements-convert.txt | sha256sum | cut -d' ' -f1)
 stamp=$VENV/.requirements.sha256
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   say "installing requirements.txt (about 3 minutes on a fresh venv)"

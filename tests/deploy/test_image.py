@@ -1,4 +1,4 @@
-"""The CPU image (docker/Dockerfile), built by `make test-docker` (docker/build.sh) before these tests: run it
+"""The CPU image (docker/Dockerfile), built by `make test-docker` (docker/build.py) before these tests: run it
 with podman, ports published on loopback, and check what a user relies on: ready through the published port,
 tokens streamed over gRPC, the OpenAI port, a non-root server, the HEALTHCHECK, a clean stop, and no
 container or host setting left behind."""
@@ -32,7 +32,7 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
 @pytest.fixture(scope="module")
 def image() -> str:
     if shutil.which("podman") is None or podman("image", "exists", IMAGE, check=False).returncode != 0:
-        pytest.fail(f"{IMAGE} is missing: `make test-docker` builds it (docker/build.sh cpu)")
+        pytest.fail(f"{IMAGE} is missing: `make test-docker` builds it (docker/build.py cpu)")
     return IMAGE
 
 
