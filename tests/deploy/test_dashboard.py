@@ -101,7 +101,7 @@ def test_every_alert_expression_has_data_and_loads_clean(live, query):
 def test_engines_are_told_apart_by_instance(live):
     server, prom = live
     engines = prom.query('sum by (triton_instance) (vllm:request_success_total{model="llm"})')
-    assert sorted(s["metric"].get("triton_instance") for s in engines) == ["llm_0", "llm_1"], engines
+    assert sorted(s["metric"].get("triton_instance") for s in engines) == ["llm_0_0", "llm_0_1"], engines
     # Both arms on one screen: the same latency histograms from the dynamic arm.
     models = {s["metric"]["model"] for s in prom.query("vllm:time_to_first_token_seconds_count")}
     assert {"llm", "llm_dynamic"} <= models, models

@@ -52,9 +52,11 @@ def test_image_holds_no_build_host_settings_and_a_cpu_torch(image):
         "'pip_config': subprocess.run([sys.executable, '-m', 'pip', 'config', 'list'], capture_output=True,"
         " text=True).stdout}))")))
     assert found == {"cuda": None, "uid": 1000, "leftovers": [], "pip_config": ""}
-    config = json.loads(podman("image", "inspect", image).stdout)[0]["Config"]
-    assert "/v2/health/ready" in " ".join(config["Healthcheck"]["Test"])
-    assert {"8000/tcp", "8001/tcp", "8002/tcp", "9000/tcp"} <= set(config["ExposedPorts"])
+    inspected = json.loads(podman("image", "inspect", image).stdout)[0]
+    # podman shows the HEALTHCHECK next to Config (a docker-format image; the OCI format would drop it).
+    assert "/v2/health/ready" in " ".join(inspected["Healthcheck"]["Test"])
+    assert {"8000/tcp", "8001/tcp", "8002/tcp", "9000/tcp"} <= set(inspected["Config"]["ExposedPorts"])
+    assert inspected["Config"]["User"] == "1000:1000"
 
 
 def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clean(image):
@@ -82,6 +84,9 @@ def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clea
                          {"model": "llm", "max_tokens": 8, "temperature": 0,
                           "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert "Paris" in chat["choices"][0]["message"]["content"], chat
+
+        shm = podman("exec", name, "du", "-sh", "/dev/shm").stdout.split()[0]
+        print(f"/dev/shm in use after the requests: {shm}")  # docker/README.md's --shm-size advice
 
         # No systemd here to schedule it: run the image's HEALTHCHECK once by hand, as the timer would.
         podman("healthcheck", "run", name)
