@@ -97,10 +97,18 @@ def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clea
         print(f"stop: {time.monotonic() - t_stop:.1f} s")
         state = json.loads(podman("inspect", name).stdout)[0]["State"]
         logs = podman("logs", name).stdout + podman("logs", name).stderr
-        assert state["ExitCode"] == 0 and "stopped cleanly" in logs, logs[-3000:]
+        assert state["ExitCode"] == 0 and "stopped cleanly" in logs, log_summary(name)
     finally:
         podman("rm", "--force", "--time", "10", name, check=False)
     assert podman("ps", "--all", "--quiet", "--filter", f"name={name}").stdout.strip() == ""
+
+
+def log_summary(name: str) -> str:
+    """Triton's error lines (E...) and the tail of the container's log, for a failure message."""
+    done = podman("logs", name, check=False)
+    lines = (done.stdout + done.stderr).splitlines()
+    errors = [line[:600] for line in lines if line[:1] == "E" and line[1:5].isdigit()]
+    return "\n".join(errors[:20] + ["..."] + lines[-15:])
 
 
 def wait_ready(name: str, url: str, t0: float) -> float:
@@ -113,9 +121,9 @@ def wait_ready(name: str, url: str, t0: float) -> float:
             pass
         running = podman("inspect", "--format", "{{.State.Running}}", name, check=False).stdout.strip()
         if running != "true":
-            raise AssertionError(f"container exited before ready:\n{podman('logs', name, check=False).stderr[-3000:]}")
+            raise AssertionError(f"container exited before ready:\n{log_summary(name)}")
         time.sleep(1)
-    raise AssertionError(f"not ready after {READY_TIMEOUT_S} s:\n{podman('logs', name, check=False).stderr[-3000:]}")
+    raise AssertionError(f"not ready after {READY_TIMEOUT_S} s:\n{log_summary(name)}")
 
 
 def stream_greedy(url: str, prompt: str, max_tokens: int) -> str:
