@@ -9,14 +9,23 @@ PYTEST_FLAGS ?= -q -rfEs -p no:cacheprovider --timeout=600 --durations=10
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test serve
+.PHONY: setup test serve test-docker
 
 setup:
 	bash scripts/setup.sh
 
+# tests/deploy needs podman and Prometheus (root): `make test-docker` runs it.
 test: setup
 	.venv/bin/ruff check .
-	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) --ignore=tests/deploy tests
+
+# Containers and deployment (root, Debian 12): podman, Prometheus and a local Debian base image
+# (scripts/setup_docker.sh), the CPU image (docker/build.py, from that base; torch from this machine's pip
+# settings), then tests/deploy: the image, the dashboard and alerts against live Prometheus, lint checks.
+test-docker: setup
+	bash scripts/setup_docker.sh
+	$(PYTHON) docker/build.py cpu --base local/debian:bookworm --torch-index ""
+	$(PYTHON) -m pytest $(PYTEST_FLAGS) tests/deploy
 
 serve: setup
 	$(PYTHON) scripts/serve.py

@@ -395,6 +395,7 @@ class EngineLoop:
         if self._stopping.is_set():
             raise QueueFullError("engine is shutting down")
         if self.num_waiting >= self.engine.config.max_queue_size:
+            self.engine.metrics.on_queue_full()
             raise QueueFullError(f"queue is full: {self.num_waiting} waiting, "
                                  f"max_queue_size={self.engine.config.max_queue_size}")
         seq = self.engine.make_sequence(request_id, prompt, params, priority, apply_chat_template=apply_chat_template)

@@ -114,6 +114,7 @@ class EngineMetrics:
         self.generation_tokens_total = 0
         self.num_preemptions_total = 0
         self.requests_finished_total: dict[str, int] = {}
+        self.queue_full_refusals_total = 0  # requests refused at once: max_queue_size were already waiting
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
         self.histograms: dict[str, Histogram] = {
@@ -198,6 +199,10 @@ class EngineMetrics:
         with self._lock:
             self.prompt_tokens_total += n
 
+    def on_queue_full(self) -> None:
+        with self._lock:
+            self.queue_full_refusals_total += 1
+
     def on_preemption(self) -> None:
         with self._lock:
             self.num_preemptions_total += 1
@@ -246,6 +251,7 @@ class EngineMetrics:
                 "generation_tokens_total": self.generation_tokens_total,
                 "num_preemptions_total": self.num_preemptions_total,
                 "requests_finished_total": dict(self.requests_finished_total),
+                "queue_full_refusals_total": self.queue_full_refusals_total,
                 "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits,
             }

@@ -173,11 +173,14 @@ class TritonBackend:
         2.51 keep state for it until shutdown, where it stalls the unload for the whole exit timeout; so
         read the server's end of stream (it follows the final response at once) in the background, and
         cancel only if it does not come."""
+        async def read_to_end() -> None:
+            async for _ in call:
+                pass
+
         async def drain() -> None:
             try:
-                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
-                    async for _ in call:
-                        pass
+                # wait_for, not asyncio.timeout: this runs on Python 3.10 in the GPU image (docker/Dockerfile.gpu)
+                await asyncio.wait_for(read_to_end(), _DRAIN_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - timeout or a late error: the request is over either way
                 call.cancel()
 

@@ -54,6 +54,8 @@ COUNTERS = (
     Export("vllm:num_preemptions_total", "num_preemptions_total", "Cumulative number of preemptions."),
     Export("vllm:prefix_cache_queries_total", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     Export("vllm:prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    Export("inflight:queue_full_refusals_total", "queue_full_refusals_total",
+           "Requests refused at once (UNAVAILABLE) because max_queue_size requests were already waiting."),
 )
 GAUGES = (
     Export("vllm:num_requests_running", "num_requests_running", "Number of requests in the running batch."),

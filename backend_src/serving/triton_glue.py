@@ -5,6 +5,7 @@ everything that decides anything lives in the modules this one serves, which are
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from .errors import INVALID_ARG, RequestError
 from .options import ServingOptions, flatten_triton_parameters, parse_model_parameters
+from .placement import cpu_instances, cpu_threads, engine_device
 
 # Every call our threads make into the stub's IPC (response sends, is_cancelled, custom metrics) takes this
 # lock, so at most one of them talks to the server at a time. The python backend aborts on concurrent metric
@@ -28,6 +30,24 @@ def model_options(args: dict) -> tuple[dict, ServingOptions]:
     config = json.loads(args["model_config"])
     repository = Path(args["model_repository"]).parent
     return config, parse_model_parameters(flatten_triton_parameters(config), repository)
+
+
+def place_engine(args: dict, model_config: dict, options: ServingOptions) -> None:
+    """Give this model instance's engine its device (KIND_GPU: the instance's GPU) and, on the CPU, its share
+    of the cores when several instances of the model share them. Call before the engine is built."""
+    import logging
+
+    import torch  # only here: importing this module must stay light
+
+    engine = options.engine
+    engine.device = engine_device(engine.device, args.get("model_instance_kind", ""),
+                                  int(args.get("model_instance_device_id", 0)))
+    if engine.device == "cpu":
+        threads = cpu_threads(len(os.sched_getaffinity(0)), cpu_instances(model_config))
+        if threads is not None:
+            torch.set_num_threads(threads)
+    logging.getLogger("serving").info("%s: %d torch threads, device %s", args.get("model_instance_name", "?"),
+                                      torch.get_num_threads(), engine.device)
 
 
 def metric_labels(args: dict) -> dict[str, str]:

@@ -107,6 +107,7 @@ def test_queue_limit_and_validation_errors_reach_only_the_caller(engine):
         loop.add_request(f"q{i}", "hi", SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError, match="max_queue_size=4"):
         loop.add_request("q4", "hi", SamplingParams(max_tokens=2))  # shed before tokenizing
+    assert engine.metrics.snapshot()["counters"]["queue_full_refusals_total"] == 1  # the dashboard's refusals
     loop.start()
     col.wait_finals(4)
     loop.stop()

@@ -11,8 +11,8 @@ import triton_python_backend_utils as pb_utils
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.lifecycle import send_error
 from serving.test_hooks import FaultInjector
-from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, read_inputs,
-                                 unreadable)
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
+                                 read_inputs, unreadable)
 
 log = logging.getLogger("llm")
 
@@ -29,6 +29,7 @@ class TritonPythonModel:
         from serving.frontend import InflightFrontend
         from serving.metrics_export import MetricsExporter
 
+        place_engine(args, model_config, options)  # this instance's GPU, or its share of the CPU cores
         log.info("loading %s with %s", options.engine.model, options.engine)
         self.engine = LLMEngine(options.engine)
         if options.enable_test_hooks:

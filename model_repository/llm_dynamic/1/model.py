@@ -14,8 +14,8 @@ from inflight.fields import InvalidRequestError
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.lifecycle import send_error
 from serving.metrics_export import MetricsExporter
-from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, read_inputs,
-                                 unreadable)
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
+                                 read_inputs, unreadable)
 
 log = logging.getLogger("llm_dynamic")
 
@@ -34,6 +34,7 @@ class TritonPythonModel:
         if engine_config.max_num_seqs < model_config["max_batch_size"]:
             log.warning("max_num_seqs=%d < max_batch_size=%d: a full batch runs in several rounds",
                         engine_config.max_num_seqs, model_config["max_batch_size"])
+        place_engine(args, model_config, options)  # this instance's GPU, or its share of the CPU cores
         log.info("loading %s with %s", engine_config.model, engine_config)
         self.engine = LLMEngine(engine_config)
         self.transport = TritonTransport(batched=True)
