@@ -1,0 +1,227 @@
+"""Choose engine options for an SLA: simulate a grid at the trace's rate, then race the configs that meet the
+SLA to higher rates, shrink the KV pool of the winner, and probe its neighbours (why it wins).
+
+At a fixed offered rate every config that keeps up delivers the same tokens/s (the offered load), so
+"highest throughput under the SLA" is decided by how far the rate can rise before the SLA breaks: the
+winner is the config that sustains the highest rate (ties: smaller KV pool, then lower p99 TTFT).
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tune_sim import SimRequest, meets, simulate
+
+MiB = 1 << 20
+DEFAULT_GRID = {
+    "max_num_seqs": [4, 8, 16, 32, 64],
+    "max_num_batched_tokens": [64, 128, 256, 512, 1024],
+    "fast_lane_share": [0.0, 0.25, 0.5],
+    "block_size": [16, 32],
+}
+KV_POOLS_MIB = [32, 64, 128, 256, 512, 1024]  # tried smallest-first for the winner (stage 3)
+RATE_STEP = 1.15  # rate multiplier between race levels
+RATE_PRECISION = 0.02  # bisection stops when the bracket is this tight (relative)
+
+# The worker processes' shared inputs (set before the pool forks; read-only afterwards).
+_STATE: dict = {}
+
+
+@dataclass
+class Evaluated:
+    options: dict
+    rate_scale: float
+    figures: dict
+    stopped: str = ""  # why the simulation stopped early (the SLA could no longer hold), or ""
+    ok: bool = False  # ran to the end and met the SLA
+
+
+@dataclass
+class SearchResult:
+    grid: list[Evaluated]  # every config at the trace's rate
+    chosen: dict
+    chosen_at_rate: Evaluated
+    max_rate_scale: float
+    max_rate_eval: Evaluated | None
+    default: Evaluated
+    default_max_rate_scale: float
+    kv_steps: list[Evaluated] = field(default_factory=list)
+    neighbours: list[tuple[str, object, Evaluated]] = field(default_factory=list)
+    num_simulations: int = 0
+    seconds: float = 0.0
+    grid_seconds: float = 0.0
+    sla_met: bool = True
+
+
+def _run(task: tuple[dict, float, bool]) -> Evaluated:
+    options, scale, early = task
+    st = _STATE
+    cost = st["costs"][int(options["threads"])]
+    res = simulate(st["requests"], options, cost, st["kv_bytes_per_token"], rate_scale=scale,
+                   sla=st["sla"] if early else None)
+    return Evaluated(options, scale, res.figures, res.stopped_early,
+                     not res.stopped_early and meets(res.figures, st["sla"]))
+
+
+class Searcher:
+    def __init__(self, requests: list[SimRequest], cost_model, sla: dict, base_options: dict, workers: int,
+                 progress: Callable[[str], None] = print):
+        _STATE.update(requests=requests, sla=sla, kv_bytes_per_token=cost_model.kv_bytes_per_token,
+                      costs={t: cost_model.step_seconds(t) for t in cost_model.threads})
+        self.sla = sla
+        self.base = base_options
+        self.threads = cost_model.threads
+        self.progress = progress
+        self.num_sims = 0
+        self.pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+
+    def evaluate(self, configs: list[dict], scale: float, early: bool, label: str) -> list[Evaluated]:
+        tasks = [(c, scale, early) for c in configs]
+        self.num_sims += len(tasks)
+        mapper = self.pool.imap if self.pool is not None else map
+        out = []
+        t0 = time.perf_counter()
+        for k, ev in enumerate(mapper(_run, tasks), 1):
+            out.append(ev)
+            if k == len(tasks) or k % 25 == 0:
+                self.progress(f"[search] {label}: {k}/{len(tasks)} configs ({time.perf_counter() - t0:.1f} s)")
+        return out
+
+    # ---- stages ---------------------------------------------------------------------------------
+    def grid_configs(self, grid: dict) -> list[dict]:
+        grid = {"threads": self.threads, **grid}
+        names = list(grid)
+        return [{**self.base, **dict(zip(names, values))} for values in itertools.product(*(grid[n] for n in names))]
+
+    def race(self, survivors: list[Evaluated]) -> tuple[list[Evaluated], float, float]:
+        """Raise the rate by RATE_STEP while any config keeps the SLA; returns the last level's survivors, their
+        rate multiplier and the first multiplier where none survived."""
+        scale = 1.0
+        while True:
+            nxt = scale * RATE_STEP
+            if nxt > 1e3:
+                return survivors, scale, nxt
+            evals = self.evaluate([s.options for s in survivors], nxt, True, f"race at rate x{nxt:.2f}")
+            passed = [e for e in evals if e.ok]
+            if not passed:
+                return survivors, scale, nxt
+            survivors, scale = passed, nxt
+
+    def bisect(self, options: dict, lo: float, hi: float) -> tuple[float, Evaluated | None]:
+        """Highest multiplier in [lo, hi) that keeps the SLA, given lo passes and hi fails (to RATE_PRECISION)."""
+        best = None
+        while hi / lo - 1 > RATE_PRECISION:
+            mid = (lo * hi) ** 0.5
+            ev = self.evaluate([options], mid, True, f"bisect x{mid:.3f}")[0]
+            if ev.ok:
+                lo, best = mid, ev
+            else:
+                hi = mid
+        return lo, best
+
+    def max_rate(self, options: dict, first: Evaluated) -> tuple[float, Evaluated | None]:
+        """Highest sustainable multiplier of one config, starting from its evaluation at the trace's rate."""
+        if first.ok:
+            lo, hi = 1.0, RATE_STEP
+            while hi < 1e3:
+                ev = self.evaluate([options], hi, True, f"climb x{hi:.2f}")[0]
+                if not ev.ok:
+                    break
+                lo, hi, first = hi, hi * RATE_STEP, ev
+            scale, ev = self.bisect(options, lo, hi)
+            return scale, ev or first
+        lo, hi = 1.0 / RATE_STEP, 1.0
+        while lo > 1e-3:
+            ev = self.evaluate([options], lo, True, f"descend x{lo:.3f}")[0]
+            if ev.ok:
+                return self.bisect(options, lo, hi)[0], ev
+            lo, hi = lo / RATE_STEP, lo
+        return 0.0, None
+
+
+def _rank_key(ev: Evaluated, scale: float) -> tuple:
+    # Higher sustained rate first (in steps of the bisection precision), then less KV memory, then TTFT.
+    return (-round(scale / RATE_PRECISION), ev.figures["kv_blocks"] * ev.options["block_size"],
+            ev.figures["ttft_p99_ms"])
+
+
+def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, default_options: dict,
+           base_options: dict, workers: int = 0, kv_pools_mib: list[int] | None = None,
+           progress: Callable[[str], None] = print) -> SearchResult:
+    t_start = time.perf_counter()
+    workers = workers or os.cpu_count() or 1
+    s = Searcher(requests, cost_model, sla, base_options, workers, progress)
+    try:
+        # 1. The grid at the trace's rate, simulated to the end (the Pareto front needs every figure).
+        configs = s.grid_configs(grid)
+        evals = s.evaluate(configs, 1.0, False, "grid at the trace's rate")
+        grid_seconds = time.perf_counter() - t_start
+        default_eval = s.evaluate([default_options], 1.0, False, "default config")[0]
+        feasible = [e for e in evals if e.ok]
+        sla_met = bool(feasible)
+        # 2. Race the feasible configs to higher rates; bisect the last survivors' limits.
+        if feasible:
+            survivors, lo, hi = s.race(feasible)
+            progress(f"[search] {len(feasible)} configs meet the SLA at the trace's rate; {len(survivors)} "
+                     f"still at x{lo:.2f}, none at x{hi:.2f}; bisecting those")
+            limits = []
+            for sv in survivors:
+                scale, ev = s.bisect(sv.options, lo, hi)
+                limits.append((scale, ev or sv))
+            best_scale, best_ev = min(limits, key=lambda x: _rank_key(x[1], x[0]))
+        else:
+            # Nothing meets it: take the config closest to it, and say how far the rate must fall.
+            closest = min(evals, key=lambda e: max(e.figures["ttft_p99_ms"] / sla["ttft_p99_ms"],
+                                                   e.figures["itl_p99_ms"] / sla["itl_p99_ms"]))
+            best_scale, best_ev = s.max_rate(closest.options, closest)
+            best_ev = best_ev or closest
+        chosen = dict(best_ev.options)
+        # 3. The smallest KV pool that keeps the winner's rate (memory is what an operator pays for).
+        kv_steps = []
+        for mib in sorted(kv_pools_mib or KV_POOLS_MIB):
+            if mib * MiB >= int(chosen.get("kv_cache_memory_bytes", 0)):
+                break
+            trial = {**chosen, "kv_cache_memory_bytes": mib * MiB}
+            ev = s.evaluate([trial], max(best_scale, 1.0) if sla_met else best_scale, True, f"KV pool {mib} MiB")[0]
+            kv_steps.append(ev)
+            if ev.ok:
+                chosen = trial
+                break
+        at_rate = s.evaluate([chosen], 1.0, False, "chosen at the trace's rate")[0]
+        max_eval = s.evaluate([chosen], best_scale, False, "chosen at its highest rate")[0] if best_scale else None
+        default_scale, _ = s.max_rate(default_options, default_eval)
+        # 4. Neighbours: each option moved one grid step, at the chosen config's highest rate.
+        neighbours = []
+        probe_scale = best_scale or 1.0
+        for name, values in {"threads": s.threads, **grid}.items():
+            if chosen.get(name) not in values:
+                continue
+            k = values.index(chosen[name])
+            for j in (k - 1, k + 1):
+                if 0 <= j < len(values):
+                    ev = s.evaluate([{**chosen, name: values[j]}], probe_scale, False, f"neighbour {name}")[0]
+                    neighbours.append((name, values[j], ev))
+        return SearchResult(evals, chosen, at_rate, best_scale, max_eval, default_eval, default_scale, kv_steps,
+                            neighbours, s.num_sims, time.perf_counter() - t_start, grid_seconds, sla_met)
+    finally:
+        s.close()
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other beats on both (higher first value, lower second), by first value."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
+    front, best_second = [], float("inf")
+    for i in order:
+        if points[i][1] < best_second:
+            front.append(i)
+            best_second = points[i][1]
+    return front
