@@ -36,7 +36,7 @@ def render(source_text: str, options: dict, header: str) -> str:
         if len(pattern.findall(text)) != 1:
             raise KeyError(f"parameter {name!r} is not (exactly once) in the source config: allowed "
                            f"{', '.join(sorted(engine_parameters(source_text)))}")
-        text = pattern.sub(lambda m: m.group(1) + str(value) + m.group(3), text)
+        text = pattern.sub(lambda m, v=str(value): m.group(1) + v + m.group(3), text)
     lines = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
     return lines + text
 

@@ -215,7 +215,8 @@ def prefix_report(log: str, rows, choice: dict, reasons: list[str], num_prompts:
              "| block size | " + " | ".join(f"{p} MiB" for p in pools) + " |", "|---|" + "---:|" * len(pools)]
     for bs in sizes:
         cells = {r.pool_mib: r for r in rows if r.block_size == bs}
-        lines.append(f"| {bs} | " + " | ".join(f"{cells[p].hit_rate:.1%} ({cells[p].hit_tokens})" for p in pools) + " |")
+        row = " | ".join(f"{cells[p].hit_rate:.1%} ({cells[p].hit_tokens})" for p in pools)
+        lines.append(f"| {bs} | {row} |")
     lines += ["", "(in parentheses: prefill tokens saved)", "", "## Recommendation", "",
               f"`enable_prefix_caching={str(choice['enable_prefix_caching']).lower()}`, "
               f"`block_size={choice['block_size']}`", ""] + [f"- {r}" for r in reasons]
