@@ -211,7 +211,7 @@ def cmd_search(args) -> int:
     import tune_trace
     from tune_cost import CostModel
     from tune_report import search_report
-    from tune_search import DEFAULT_GRID, search
+    from tune_search import DEFAULT_GRID, MAX_SCALE, search
 
     args.out.mkdir(parents=True, exist_ok=True)
     cost = CostModel.load(args.cost)
@@ -242,7 +242,8 @@ def cmd_search(args) -> int:
     summary = {
         "name": args.name, "chosen": chosen, "sla": sla,
         "predicted": res.chosen_at_rate.figures, "sla_met_predicted": res.chosen_at_rate.ok,
-        "max_rate": {"rate": res.max_rate_scale * rate, "multiplier": res.max_rate_scale, "predicted": mr},
+        "max_rate": {"rate": res.max_rate_scale * rate, "multiplier": res.max_rate_scale, "predicted": mr,
+                     "at_cap": res.max_rate_scale >= MAX_SCALE},
         "default": {"options": {k: default[k] for k in TUNED}, "predicted": res.default.figures,
                     "meets_sla": res.default.ok,
                     "max_rate": {"rate": res.default_max_rate_scale * rate,
@@ -364,6 +365,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -431,8 +436,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--block-sizes", type=_ints, default=[8, 16, 32, 64])
-    p.add_argument("--pools-mib", type=_ints, default=[32, 128, 512])
-    p.add_argument("--pool-mib", type=int, default=512, help="the pool the recommendation is made for")
+    p.add_argument("--pools-mib", type=_floats, default=[32, 128, 512])
+    p.add_argument("--pool-mib", type=float, default=512, help="the pool the recommendation is made for")
     p.add_argument("--in-flight", type=int, default=16, help="requests holding blocks at once")
     p.set_defaults(fn=cmd_prefixes)
 

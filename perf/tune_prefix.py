@@ -19,7 +19,7 @@ MiB = 1 << 20
 @dataclass
 class PrefixRow:
     block_size: int
-    pool_mib: int
+    pool_mib: float
     num_blocks: int
     prompt_tokens: int
     hit_tokens: int
@@ -52,20 +52,20 @@ def replay(prompts: list[list[int]], block_size: int, num_blocks: int, in_flight
     return total, bm.prefix_hits, skipped
 
 
-def table(prompts: list[list[int]], block_sizes: list[int], pools_mib: list[int], kv_bytes_per_token: int,
+def table(prompts: list[list[int]], block_sizes: list[int], pools_mib: list[float], kv_bytes_per_token: int,
           in_flight: int, progress=print) -> list[PrefixRow]:
     rows = []
     for bs in block_sizes:
         for mib in pools_mib:
-            num_blocks = max(1, mib * MiB // (kv_bytes_per_token * bs))
+            num_blocks = max(1, int(mib * MiB // (kv_bytes_per_token * bs)))
             total, hits, skipped = replay(prompts, bs, num_blocks, in_flight)
             rows.append(PrefixRow(bs, mib, num_blocks, total, hits, skipped))
-            progress(f"[prefixes] block {bs}, pool {mib} MiB ({num_blocks} blocks): hit rate "
+            progress(f"[prefixes] block {bs}, pool {mib:g} MiB ({num_blocks} blocks): hit rate "
                      f"{rows[-1].hit_rate:.1%}")
     return rows
 
 
-def recommend(rows: list[PrefixRow], pool_mib: int, min_hit_rate: float = 0.02,
+def recommend(rows: list[PrefixRow], pool_mib: float, min_hit_rate: float = 0.02,
               tolerance: float = 0.05) -> tuple[dict, list[str]]:
     """Options and the reasons. Prefix caching costs a hash per full block (microseconds), so it is worth
     keeping on when it saves any real prefill; among block sizes, the largest that saves within `tolerance`
@@ -75,7 +75,7 @@ def recommend(rows: list[PrefixRow], pool_mib: int, min_hit_rate: float = 0.02,
     reasons = []
     enable = best.hit_rate >= min_hit_rate
     if enable:
-        reasons.append(f"at a {pool_mib} MiB pool, up to {best.hit_rate:.1%} of prompt tokens come from the cache "
+        reasons.append(f"at a {pool_mib:g} MiB pool, up to {best.hit_rate:.1%} of prompt tokens come from the cache "
                        f"({best.hit_tokens} prefill tokens saved): keep enable_prefix_caching=true")
     else:
         reasons.append(f"at most {best.hit_rate:.1%} of prompt tokens repeat a cached prefix: prefix caching "

@@ -102,7 +102,8 @@ def search_report(summary: dict, res: SearchResult, out: Path) -> None:
         lines.append(f"| {k} at {sla['rate']:.2f} req/s | {fmt(pr.get(k))} | {fmt(d['predicted'].get(k))} |")
     lines.append(f"| meets the SLA at the trace's rate | {res.chosen_at_rate.ok} | {res.default.ok} |")
     mr, dmr = summary["max_rate"], d["max_rate"]
-    lines.append(f"| highest rate meeting the SLA (req/s) | {mr['rate']:.2f} | {dmr['rate']:.2f} |")
+    cap = " (the trace's limit: x16)" if mr.get("at_cap") else ""
+    lines.append(f"| highest rate meeting the SLA (req/s) | {mr['rate']:.2f}{cap} | {dmr['rate']:.2f} |")
     if mr.get("predicted"):
         lines.append(f"| output tok/s at that rate | {mr['predicted']['output_tok_s']:.1f} | |")
     lines += ["", "## Why it wins", ""] + [f"- {r}" for r in why(summary, res)]
@@ -212,7 +213,7 @@ def prefix_report(log: str, rows, choice: dict, reasons: list[str], num_prompts:
     lines = [f"# Prefix caching on `{log}`", "", f"{num_prompts} prompts, {rows[0].prompt_tokens} prompt tokens; "
              f"replayed through the engine's BlockManager with {in_flight} requests holding blocks at once.", "",
              "Hit rate (share of prompt tokens served from the cache) by block size and KV pool:", "",
-             "| block size | " + " | ".join(f"{p} MiB" for p in pools) + " |", "|---|" + "---:|" * len(pools)]
+             "| block size | " + " | ".join(f"{p:g} MiB" for p in pools) + " |", "|---|" + "---:|" * len(pools)]
     for bs in sizes:
         cells = {r.pool_mib: r for r in rows if r.block_size == bs}
         row = " | ".join(f"{cells[p].hit_rate:.1%} ({cells[p].hit_tokens})" for p in pools)

@@ -24,8 +24,10 @@ DEFAULT_GRID = {
     "block_size": [16, 32],
 }
 KV_POOLS_MIB = [32, 64, 128, 256, 512, 1024]  # tried smallest-first for the winner (stage 3)
-RATE_STEP = 1.15  # rate multiplier between race levels
+RATE_STEP = 1.25  # rate multiplier between race levels
 RATE_PRECISION = 0.02  # bisection stops when the bracket is this tight (relative)
+MAX_SCALE = 16.0  # a config still meeting the SLA at 16x the trace's rate is reported as ">= 16x" (the trace is
+MIN_SCALE = 1 / 64  # too short to load it); below 1/64 of the rate the SLA is called unreachable
 
 # The worker processes' shared inputs (set before the pool forks; read-only afterwards).
 _STATE: dict = {}
@@ -104,17 +106,16 @@ class Searcher:
 
     def race(self, survivors: list[Evaluated]) -> tuple[list[Evaluated], float, float]:
         """Raise the rate by RATE_STEP while any config keeps the SLA; returns the last level's survivors, their
-        rate multiplier and the first multiplier where none survived."""
+        rate multiplier, and the first multiplier where none survived (or MAX_SCALE, if some always did)."""
         scale = 1.0
-        while True:
-            nxt = scale * RATE_STEP
-            if nxt > 1e3:
-                return survivors, scale, nxt
+        while scale < MAX_SCALE:
+            nxt = min(scale * RATE_STEP, MAX_SCALE)
             evals = self.evaluate([s.options for s in survivors], nxt, True, f"race at rate x{nxt:.2f}")
             passed = [e for e in evals if e.ok]
             if not passed:
                 return survivors, scale, nxt
             survivors, scale = passed, nxt
+        return survivors, scale, scale
 
     def bisect(self, options: dict, lo: float, hi: float) -> tuple[float, Evaluated | None]:
         """Highest multiplier in [lo, hi) that keeps the SLA, given lo passes and hi fails (to RATE_PRECISION)."""
@@ -129,22 +130,26 @@ class Searcher:
         return lo, best
 
     def max_rate(self, options: dict, first: Evaluated) -> tuple[float, Evaluated | None]:
-        """Highest sustainable multiplier of one config, starting from its evaluation at the trace's rate."""
+        """Highest sustainable multiplier of one config (0 if none down to MIN_SCALE), from its evaluation at
+        the trace's rate."""
         if first.ok:
-            lo, hi = 1.0, RATE_STEP
-            while hi < 1e3:
+            lo = 1.0
+            while lo < MAX_SCALE:
+                hi = min(lo * RATE_STEP, MAX_SCALE)
                 ev = self.evaluate([options], hi, True, f"climb x{hi:.2f}")[0]
                 if not ev.ok:
-                    break
-                lo, hi, first = hi, hi * RATE_STEP, ev
-            scale, ev = self.bisect(options, lo, hi)
-            return scale, ev or first
-        lo, hi = 1.0 / RATE_STEP, 1.0
-        while lo > 1e-3:
+                    scale, best = self.bisect(options, lo, hi)
+                    return scale, best or first
+                lo, first = hi, ev
+            return lo, first
+        hi = 1.0
+        while hi > MIN_SCALE:
+            lo = hi / RATE_STEP
             ev = self.evaluate([options], lo, True, f"descend x{lo:.3f}")[0]
             if ev.ok:
-                return self.bisect(options, lo, hi)[0], ev
-            lo, hi = lo / RATE_STEP, lo
+                scale, best = self.bisect(options, lo, hi)
+                return scale, best or ev
+            hi = lo
         return 0.0, None
 
 
@@ -163,9 +168,11 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
     try:
         # 1. The grid at the trace's rate, simulated to the end (the Pareto front needs every figure).
         configs = s.grid_configs(grid)
+        if default_options not in configs:
+            configs.append(dict(default_options))  # the default is a candidate too: it may be the best
         evals = s.evaluate(configs, 1.0, False, "grid at the trace's rate")
         grid_seconds = time.perf_counter() - t_start
-        default_eval = s.evaluate([default_options], 1.0, False, "default config")[0]
+        default_eval = next(e for e in evals if e.options == default_options)
         feasible = [e for e in evals if e.ok]
         sla_met = bool(feasible)
         # 2. Race the feasible configs to higher rates; bisect the last survivors' limits.
@@ -175,7 +182,7 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
                      f"still at x{lo:.2f}, none at x{hi:.2f}; bisecting those")
             limits = []
             for sv in survivors:
-                scale, ev = s.bisect(sv.options, lo, hi)
+                scale, ev = s.bisect(sv.options, lo, hi) if hi > lo else (lo, sv)
                 limits.append((scale, ev or sv))
             best_scale, best_ev = min(limits, key=lambda x: _rank_key(x[1], x[0]))
         else:
@@ -187,11 +194,11 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
         chosen = dict(best_ev.options)
         # 3. The smallest KV pool that keeps the winner's rate (memory is what an operator pays for).
         kv_steps = []
-        for mib in sorted(kv_pools_mib or KV_POOLS_MIB):
+        for mib in sorted(kv_pools_mib or KV_POOLS_MIB) if best_scale else []:
             if mib * MiB >= int(chosen.get("kv_cache_memory_bytes", 0)):
                 break
             trial = {**chosen, "kv_cache_memory_bytes": mib * MiB}
-            ev = s.evaluate([trial], max(best_scale, 1.0) if sla_met else best_scale, True, f"KV pool {mib} MiB")[0]
+            ev = s.evaluate([trial], best_scale, True, f"KV pool {mib} MiB")[0]
             kv_steps.append(ev)
             if ev.ok:
                 chosen = trial
