@@ -18,7 +18,8 @@ NOT_PARAMETERS = ("threads",)
 
 
 def _param_pattern(name: str) -> re.Pattern:
-    return re.compile(r'(key:\s*"' + re.escape(name) + r'"\s*value:\s*\{\s*string_value:\s*")([^"]*)(")')
+    # Both spellings protobuf accepts: `value: { string_value: "v" }` (hand-written) and `value {` (generated).
+    return re.compile(r'(key:\s*"' + re.escape(name) + r'"\s*value\s*:?\s*\{\s*string_value:\s*")([^"]*)(")')
 
 
 def engine_parameters(config_text: str) -> dict[str, str]:
