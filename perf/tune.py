@@ -73,13 +73,15 @@ def cmd_calibrate(args) -> int:
             load_before = os.getloadavg()
             say(f"[calibrate] {model.name}, {threads} thread(s), load average {load_before[0]:.2f}")
             done = subprocess.run([sys.executable, __file__, "calibrate-worker", "--model", str(model),
-                                   "--threads", str(threads), "--reps", str(args.reps), "--json", str(points_path)]
-                                  + (["--quick"] if args.quick else []), env=env)
+                                   "--threads", str(threads), "--reps", str(args.reps), "--json", str(points_path),
+                                   "--clock", args.clock] + (["--quick"] if args.quick else []), env=env)
             if done.returncode:
                 return done.returncode
             points = json.loads(points_path.read_text())
         f = fit(points)
-        fits[str(threads)] = {"coef_ms": f.coef_ms, "stats": f.stats, "points": points,
+        cpu_share = sum(min(p["cpu_ms"]) for p in points) / sum(min(p["wall_ms"]) for p in points)
+        fits[str(threads)] = {"coef_ms": f.coef_ms, "stats": f.stats, "points": points, "clock": args.clock,
+                              "cpu_per_wall": round(cpu_share, 3),
                               "load_average": [round(x, 2) for x in load_before + os.getloadavg()]}
         say(f"[calibrate] {threads} thread(s): mean abs error {f.stats['mean_abs_rel_err']:.1%} "
             f"(5-fold CV {f.stats['cv_mean_abs_rel_err']:.1%}), coefficients (ms) "
@@ -127,7 +129,7 @@ def cmd_calibrate_worker(args) -> int:
 
     from tune_calibrate import FULL_GRID, QUICK_GRID, calibrate
     torch.set_num_threads(args.threads)
-    points = calibrate(str(args.model), QUICK_GRID if args.quick else FULL_GRID, args.reps, say)
+    points = calibrate(str(args.model), QUICK_GRID if args.quick else FULL_GRID, args.reps, args.clock, say)
     Path(args.json).write_text(json.dumps(points))
     return 0
 
@@ -379,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts to calibrate (default 1,2)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per shape (median kept)")
     p.add_argument("--quick", action="store_true", help="a small grid (smoke tests)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by wall clock (default) or by process CPU time (1 thread, on a busy machine)")
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-worker", help=argparse.SUPPRESS)
@@ -387,6 +391,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", required=True)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.set_defaults(fn=cmd_calibrate_worker)
 
     p = sub.add_parser("trace", help="write a JSONL trace from a named mix or a prompt log")

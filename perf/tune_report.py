@@ -45,14 +45,17 @@ def calibrate_report(cost: dict, out: Path) -> None:
              f"dtype {cost['dtype']}, gemm {cost['host']['cpu_gemm']}, code {cost['code_version']}, "
              f"{cost['created']}.", "", f"Form: `{FORM}`", ""]
     lines += ["| threads | " + " | ".join(FEATURES) + " | points | mean abs rel err | max | 5-fold CV mean | "
-              "load avg (before, after) |", "|---|" + "---:|" * (len(FEATURES) + 5)]
+              "clock | CPU/wall | load avg (before, after) |", "|---|" + "---:|" * (len(FEATURES) + 7)]
     for t, f in sorted(cost["fits"].items(), key=lambda x: int(x[0])):
         s = f["stats"]
         lines.append(f"| {t} | " + " | ".join(f"{f['coef_ms'][k]:.4g}" for k in FEATURES) +
                      f" | {s['points']} | {s['mean_abs_rel_err']:.1%} | {s['max_abs_rel_err']:.1%} | "
-                     f"{s['cv_mean_abs_rel_err']:.1%} | {f['load_average']} |")
-    lines += ["", "Coefficients in ms per unit (attention terms per 1000 token-positions). Measured vs fitted "
-              "step times: `cost_fit.png`.", ""]
+                     f"{s['cv_mean_abs_rel_err']:.1%} | {f.get('clock', 'wall')} | {f.get('cpu_per_wall', '')} | "
+                     f"{f['load_average']} |")
+    lines += ["", "Coefficients in ms per unit (attention terms per 1000 token-positions). Each point is the "
+              "fastest of its repeats. CPU/wall: the process's CPU time over wall time of the timed steps; with "
+              "one thread, well under 1 means other work took the CPU (the wall figures are then inflated). "
+              "Measured vs fitted step times: `cost_fit.png`.", ""]
     (out / "cost.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 5))
     for t, f in sorted(cost["fits"].items()):
