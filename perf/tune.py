@@ -354,7 +354,8 @@ def cmd_prefixes(args) -> int:
     say(f"[prefixes] {len(prompts)} prompts, {sum(map(len, prompts))} tokens")
     rows = table(prompts, args.block_sizes, args.pools_mib, kv_bytes, args.in_flight, say)
     choice, reasons = recommend(rows, args.pool_mib if args.pool_mib in args.pools_mib else args.pools_mib[-1])
-    prefix_report(str(args.log), rows, choice, reasons, len(prompts), args.in_flight, args.out)
+    prefix_report(str(args.log), rows, choice, reasons, len(prompts), sum(map(len, prompts)), args.in_flight,
+                  args.out)
     best = max((r for r in rows if r.block_size == choice["block_size"]), key=lambda r: r.pool_mib)
     write_summary(args.out, {"chosen": choice, "reasons": reasons,
                              "predicted": {"prefix_hit_rate": best.hit_rate, "prefill_tokens_saved": best.hit_tokens},

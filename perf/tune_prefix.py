@@ -68,10 +68,12 @@ def table(prompts: list[list[int]], block_sizes: list[int], pools_mib: list[floa
 def recommend(rows: list[PrefixRow], pool_mib: float, min_hit_rate: float = 0.02,
               tolerance: float = 0.05) -> tuple[dict, list[str]]:
     """Options and the reasons. Prefix caching costs a hash per full block (microseconds), so it is worth
-    keeping on when it saves any real prefill; among block sizes, the largest that saves within `tolerance`
-    of the best (fewer blocks per request: shorter tables, less bookkeeping per step) wins."""
+    keeping on when it saves any real prefill. Among block sizes, the largest whose prefill work (prompt tokens
+    NOT served from the cache) is within `tolerance` of the least wins: larger blocks mean shorter block tables
+    and less bookkeeping per step, but they miss the ragged end of every shared prefix."""
+    rows = [r for r in rows if not r.skipped]  # a pool that cannot hold some prompt at all is no candidate
     at_pool = [r for r in rows if r.pool_mib == pool_mib] or rows
-    best = max(at_pool, key=lambda r: r.hit_tokens)
+    best = max(at_pool, key=lambda r: (r.hit_tokens, -r.block_size))
     reasons = []
     enable = best.hit_rate >= min_hit_rate
     if enable:
@@ -80,16 +82,30 @@ def recommend(rows: list[PrefixRow], pool_mib: float, min_hit_rate: float = 0.02
     else:
         reasons.append(f"at most {best.hit_rate:.1%} of prompt tokens repeat a cached prefix: prefix caching "
                        "saves nothing measurable here (it costs little either way)")
-    good = [r for r in at_pool if r.hit_tokens >= (1 - tolerance) * best.hit_tokens]
+
+    def computed(r: PrefixRow) -> int:
+        return r.prompt_tokens - r.hit_tokens
+
+    least = computed(best)
+    good = [r for r in at_pool if computed(r) <= (1 + tolerance) * least]
     pick = max(good, key=lambda r: r.block_size)
-    if enable and pick.block_size != best.block_size:
-        reasons.append(f"block_size={pick.block_size} keeps {pick.hit_rate:.1%} (within {tolerance:.0%} of the best, "
-                       f"{best.block_size}) with fewer, larger blocks")
-    elif enable:
-        reasons.append(f"block_size={pick.block_size} saves the most; larger blocks lose hits at the ragged end "
-                       "of shared prefixes")
-    else:
+    if not enable:
         pick = next((r for r in at_pool if r.block_size == 16), pick)
         reasons.append(f"block_size={pick.block_size}: the default; without reuse the block size only sets the "
                        "last block's waste")
-    return {"enable_prefix_caching": enable, "block_size": pick.block_size}, reasons
+        return {"enable_prefix_caching": False, "block_size": pick.block_size}, reasons
+    reasons.append(f"block_size={pick.block_size}: {computed(pick)} prompt tokens left to prefill, within "
+                   f"{tolerance:.0%} of the least ({least}, block {best.block_size})")
+    worse = [r for r in at_pool if r.block_size > pick.block_size]
+    if worse:
+        w = min(worse, key=lambda r: r.block_size)
+        reasons.append(f"block_size={w.block_size} would prefill {computed(w) / least - 1:+.0%} more prompt tokens "
+                       "(it misses the ragged end of shared prefixes)")
+    small = [r for r in rows if r.block_size == pick.block_size]
+    if len({r.pool_mib for r in small}) > 1:
+        enough = min((r for r in small if computed(r) <= (1 + tolerance) * least), key=lambda r: r.pool_mib,
+                     default=None)
+        if enough is not None:
+            reasons.append(f"a pool of {enough.pool_mib:g} MiB already keeps the hits (cached blocks are evicted "
+                           "least recently used first)")
+    return {"enable_prefix_caching": True, "block_size": pick.block_size}, reasons

@@ -209,17 +209,18 @@ def _err(pred, meas) -> str:
 
 
 # ---- prefixes ------------------------------------------------------------------------------------------------
-def prefix_report(log: str, rows, choice: dict, reasons: list[str], num_prompts: int, in_flight: int,
-                  out: Path) -> None:
+def prefix_report(log: str, rows, choice: dict, reasons: list[str], num_prompts: int, num_tokens: int,
+                  in_flight: int, out: Path) -> None:
     pools = sorted({r.pool_mib for r in rows})
     sizes = sorted({r.block_size for r in rows})
-    lines = [f"# Prefix caching on `{log}`", "", f"{num_prompts} prompts, {rows[0].prompt_tokens} prompt tokens; "
+    lines = [f"# Prefix caching on `{log}`", "", f"{num_prompts} prompts, {num_tokens} prompt tokens; "
              f"replayed through the engine's BlockManager with {in_flight} requests holding blocks at once.", "",
              "Hit rate (share of prompt tokens served from the cache) by block size and KV pool:", "",
              "| block size | " + " | ".join(f"{p:g} MiB" for p in pools) + " |", "|---|" + "---:|" * len(pools)]
     for bs in sizes:
         cells = {r.pool_mib: r for r in rows if r.block_size == bs}
-        row = " | ".join(f"{cells[p].hit_rate:.1%} ({cells[p].hit_tokens})" for p in pools)
+        row = " | ".join(f"{cells[p].hit_rate:.1%} ({cells[p].hit_tokens})" if not cells[p].skipped
+                         else f"({cells[p].skipped} prompts never fit)" for p in pools)
         lines.append(f"| {bs} | {row} |")
     lines += ["", "(in parentheses: prefill tokens saved)", "", "## Recommendation", "",
               f"`enable_prefix_caching={str(choice['enable_prefix_caching']).lower()}`, "
