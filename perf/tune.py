@@ -42,6 +42,22 @@ def write_summary(out: Path, data: dict) -> None:
     (out / "summary.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
 
 
+def wait_quiet(max_load: float | None, max_wait_s: float) -> None:
+    """Wait until the 1-minute load average is below max_load (other work on a shared machine inflates every
+    timing), at most max_wait_s; then go on whatever it is (the reports record the load)."""
+    if not max_load:
+        return
+    deadline = time.monotonic() + max_wait_s
+    next_note = 0.0
+    while os.getloadavg()[0] > max_load and time.monotonic() < deadline:
+        if time.monotonic() >= next_note:
+            say(f"[tune] load average {os.getloadavg()[0]:.2f} > {max_load}: waiting (at most "
+                f"{deadline - time.monotonic():.0f} s more)")
+            next_note = time.monotonic() + 60
+        time.sleep(5)
+    say(f"[tune] load average {os.getloadavg()[0]:.2f}: starting")
+
+
 def tokenizer_of(model: Path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model))
@@ -67,6 +83,7 @@ def cmd_calibrate(args) -> int:
     kv_bytes = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 4
     fits = {}
     for threads in args.threads:
+        wait_quiet(args.quiet_load, args.quiet_wait_s)
         with tempfile.TemporaryDirectory() as tmp:
             points_path = Path(tmp) / "points.json"
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -310,6 +327,7 @@ def cmd_verify(args) -> int:
         runs.reverse()
     measured = {}
     for label, config_name, threads in runs:
+        wait_quiet(args.quiet_load, args.quiet_wait_s)
         say(f"[verify] {label}: {len(sends)} requests over {sends[-1][0]:.0f} s")
         measured[label] = serve_and_replay(repo, config_name, threads, sends, drain, args.out / f"server-{label}.log",
                                            warm, say)
@@ -372,6 +390,12 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def add_quiet(p) -> None:
+    p.add_argument("--quiet-load", type=float, help="before each timed part, wait for the 1-minute load average "
+                   "to fall below this (a shared machine)")
+    p.add_argument("--quiet-wait-s", type=float, default=600, help="... but at most this long (default 600)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -384,6 +408,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small grid (smoke tests)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock (default) or by process CPU time (1 thread, on a busy machine)")
+    add_quiet(p)
     p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("calibrate-worker", help=argparse.SUPPRESS)
@@ -435,6 +460,7 @@ def main(argv=None) -> int:
     p.add_argument("--repo", type=Path)
     p.add_argument("--model", type=Path)
     p.add_argument("--default-first", action="store_true", help="serve the default config first")
+    add_quiet(p)
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("prefixes", help="prefix-cache hit rates of a prompt log per block size and pool")
