@@ -14,7 +14,6 @@ in case a kernel without padding replaces it. c_step is the per-step floor (weig
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,7 +125,8 @@ class StepCost:
         self.coef = tuple(coef_ms[name] / 1e3 for name in FEATURES)
 
     def __call__(self, scheduled) -> float:
-        return math.fsum(c * x for c, x in zip(self.coef, step_features(scheduled)))
+        c, f = self.coef, step_features(scheduled)
+        return c[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3] + c[4] * f[4] + c[5] * f[5] + c[6] * f[6]
 
 
 def constant(seconds_per_step: float, seconds_per_token: float = 0.0) -> StepCost:

@@ -28,6 +28,7 @@ RATE_STEP = 1.25  # rate multiplier between race levels
 RATE_PRECISION = 0.02  # bisection stops when the bracket is this tight (relative)
 MAX_SCALE = 16.0  # a config still meeting the SLA at 16x the trace's rate is reported as ">= 16x" (the trace is
 MIN_SCALE = 1 / 64  # too short to load it); below 1/64 of the rate the SLA is called unreachable
+RACE_KEEP = 12  # configs kept per race level (those with the most slack): bounds the race's cost
 
 # The worker processes' shared inputs (set before the pool forks; read-only afterwards).
 _STATE: dict = {}
@@ -86,16 +87,18 @@ class Searcher:
             self.pool.close()
             self.pool.join()
 
-    def evaluate(self, configs: list[dict], scale: float, early: bool, label: str) -> list[Evaluated]:
-        tasks = [(c, scale, early) for c in configs]
+    def evaluate(self, configs: list[dict], scale: float | list[float], early: bool, label: str) -> list[Evaluated]:
+        """Simulate configs (each at its own rate multiplier when scale is a list), in parallel."""
+        scales = scale if isinstance(scale, list) else [scale] * len(configs)
+        tasks = [(c, x, early) for c, x in zip(configs, scales)]
         self.num_sims += len(tasks)
         mapper = self.pool.imap if self.pool is not None else map
         out = []
         t0 = time.perf_counter()
         for k, ev in enumerate(mapper(_run, tasks), 1):
             out.append(ev)
-            if k == len(tasks) or k % 25 == 0:
-                self.progress(f"[search] {label}: {k}/{len(tasks)} configs ({time.perf_counter() - t0:.1f} s)")
+            if k == len(tasks) or k % 50 == 0:
+                self.progress(f"[search] {label}: {k}/{len(tasks)} simulations ({time.perf_counter() - t0:.1f} s)")
         return out
 
     # ---- stages ---------------------------------------------------------------------------------
@@ -105,29 +108,36 @@ class Searcher:
         return [{**self.base, **dict(zip(names, values))} for values in itertools.product(*(grid[n] for n in names))]
 
     def race(self, survivors: list[Evaluated]) -> tuple[list[Evaluated], float, float]:
-        """Raise the rate by RATE_STEP while any config keeps the SLA; returns the last level's survivors, their
-        rate multiplier, and the first multiplier where none survived (or MAX_SCALE, if some always did)."""
+        """Raise the rate by RATE_STEP while any config keeps the SLA, keeping the RACE_KEEP with the most slack
+        at each level; returns the last level's survivors, their rate multiplier, and the first multiplier where
+        none survived (or MAX_SCALE, if some always did)."""
         scale = 1.0
+        survivors = sorted(survivors, key=_slack)[:RACE_KEEP]
         while scale < MAX_SCALE:
             nxt = min(scale * RATE_STEP, MAX_SCALE)
             evals = self.evaluate([s.options for s in survivors], nxt, True, f"race at rate x{nxt:.2f}")
-            passed = [e for e in evals if e.ok]
+            passed = sorted((e for e in evals if e.ok), key=_slack)[:RACE_KEEP]
             if not passed:
                 return survivors, scale, nxt
             survivors, scale = passed, nxt
         return survivors, scale, scale
 
-    def bisect(self, options: dict, lo: float, hi: float) -> tuple[float, Evaluated | None]:
-        """Highest multiplier in [lo, hi) that keeps the SLA, given lo passes and hi fails (to RATE_PRECISION)."""
-        best = None
-        while hi / lo - 1 > RATE_PRECISION:
-            mid = (lo * hi) ** 0.5
-            ev = self.evaluate([options], mid, True, f"bisect x{mid:.3f}")[0]
-            if ev.ok:
-                lo, best = mid, ev
-            else:
-                hi = mid
-        return lo, best
+    def bisect(self, configs: list[dict], lo: list[float], hi: list[float]) -> list[tuple[float, Evaluated | None]]:
+        """For each config, the highest multiplier in [lo, hi) that keeps the SLA, given lo passes and hi fails
+        (to RATE_PRECISION); all configs' midpoints are simulated together, in parallel."""
+        lo, hi = list(lo), list(hi)
+        best: list[Evaluated | None] = [None] * len(configs)
+        while True:
+            todo = [i for i in range(len(configs)) if hi[i] / lo[i] - 1 > RATE_PRECISION]
+            if not todo:
+                return list(zip(lo, best))
+            mids = [(lo[i] * hi[i]) ** 0.5 for i in todo]
+            evals = self.evaluate([configs[i] for i in todo], mids, True, f"bisecting {len(todo)} rate limit(s)")
+            for i, mid, ev in zip(todo, mids, evals):
+                if ev.ok:
+                    lo[i], best[i] = mid, ev
+                else:
+                    hi[i] = mid
 
     def max_rate(self, options: dict, first: Evaluated) -> tuple[float, Evaluated | None]:
         """Highest sustainable multiplier of one config (0 if none down to MIN_SCALE), from its evaluation at
@@ -138,7 +148,7 @@ class Searcher:
                 hi = min(lo * RATE_STEP, MAX_SCALE)
                 ev = self.evaluate([options], hi, True, f"climb x{hi:.2f}")[0]
                 if not ev.ok:
-                    scale, best = self.bisect(options, lo, hi)
+                    scale, best = self.bisect([options], [lo], [hi])[0]
                     return scale, best or first
                 lo, first = hi, ev
             return lo, first
@@ -147,10 +157,16 @@ class Searcher:
             lo = hi / RATE_STEP
             ev = self.evaluate([options], lo, True, f"descend x{lo:.3f}")[0]
             if ev.ok:
-                scale, best = self.bisect(options, lo, hi)
+                scale, best = self.bisect([options], [lo], [hi])[0]
                 return scale, best or ev
             hi = lo
         return 0.0, None
+
+
+def _slack(ev: Evaluated) -> float:
+    """How close a config runs to the SLA (the larger of its p99s over their limits): lower has more room."""
+    sla = _STATE["sla"]
+    return max(ev.figures["ttft_p99_ms"] / sla["ttft_p99_ms"], ev.figures["itl_p99_ms"] / sla["itl_p99_ms"])
 
 
 def _rank_key(ev: Evaluated, scale: float) -> tuple:
@@ -180,10 +196,11 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
             survivors, lo, hi = s.race(feasible)
             progress(f"[search] {len(feasible)} configs meet the SLA at the trace's rate; {len(survivors)} "
                      f"still at x{lo:.2f}, none at x{hi:.2f}; bisecting those")
-            limits = []
-            for sv in survivors:
-                scale, ev = s.bisect(sv.options, lo, hi) if hi > lo else (lo, sv)
-                limits.append((scale, ev or sv))
+            if hi > lo:
+                found = s.bisect([sv.options for sv in survivors], [lo] * len(survivors), [hi] * len(survivors))
+            else:
+                found = [(lo, sv) for sv in survivors]
+            limits = [(scale, ev or sv) for (scale, ev), sv in zip(found, survivors)]
             best_scale, best_ev = min(limits, key=lambda x: _rank_key(x[1], x[0]))
         else:
             # Nothing meets it: take the config closest to it, and say how far the rate must fall.
@@ -193,30 +210,24 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
             best_ev = best_ev or closest
         chosen = dict(best_ev.options)
         # 3. The smallest KV pool that keeps the winner's rate (memory is what an operator pays for).
-        kv_steps = []
-        for mib in sorted(kv_pools_mib or KV_POOLS_MIB) if best_scale else []:
-            if mib * MiB >= int(chosen.get("kv_cache_memory_bytes", 0)):
-                break
-            trial = {**chosen, "kv_cache_memory_bytes": mib * MiB}
-            ev = s.evaluate([trial], best_scale, True, f"KV pool {mib} MiB")[0]
-            kv_steps.append(ev)
-            if ev.ok:
-                chosen = trial
-                break
-        at_rate = s.evaluate([chosen], 1.0, False, "chosen at the trace's rate")[0]
-        max_eval = s.evaluate([chosen], best_scale, False, "chosen at its highest rate")[0] if best_scale else None
+        pools = [m * MiB for m in sorted(kv_pools_mib or KV_POOLS_MIB)
+                 if m * MiB < int(chosen.get("kv_cache_memory_bytes", 0))] if best_scale else []
+        kv_steps = s.evaluate([{**chosen, "kv_cache_memory_bytes": b} for b in pools], best_scale, True, "KV pools")
+        smallest = next((ev for ev in kv_steps if ev.ok), None)
+        if smallest is not None:
+            chosen = dict(smallest.options)
+        at_rate, max_eval = (s.evaluate([chosen, chosen], [1.0, best_scale], False, "chosen")
+                             if best_scale else (s.evaluate([chosen], 1.0, False, "chosen")[0], None))
         default_scale, _ = s.max_rate(default_options, default_eval)
         # 4. Neighbours: each option moved one grid step, at the chosen config's highest rate.
-        neighbours = []
         probe_scale = best_scale or 1.0
+        moves = []
         for name, values in {"threads": s.threads, **grid}.items():
-            if chosen.get(name) not in values:
-                continue
-            k = values.index(chosen[name])
-            for j in (k - 1, k + 1):
-                if 0 <= j < len(values):
-                    ev = s.evaluate([{**chosen, name: values[j]}], probe_scale, False, f"neighbour {name}")[0]
-                    neighbours.append((name, values[j], ev))
+            if chosen.get(name) in values:
+                k = values.index(chosen[name])
+                moves += [(name, values[j]) for j in (k - 1, k + 1) if 0 <= j < len(values)]
+        probes = s.evaluate([{**chosen, n: v} for n, v in moves], probe_scale, False, "neighbours")
+        neighbours = [(n, v, ev) for (n, v), ev in zip(moves, probes)]
         return SearchResult(evals, chosen, at_rate, best_scale, max_eval, default_eval, default_scale, kv_steps,
                             neighbours, s.num_sims, time.perf_counter() - t_start, grid_seconds, sla_met)
     finally:
