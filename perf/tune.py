@@ -14,7 +14,9 @@ See docs/tune.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import os
@@ -58,6 +60,24 @@ def wait_quiet(max_load: float | None, max_wait_s: float) -> None:
     say(f"[tune] load average {os.getloadavg()[0]:.2f}: starting")
 
 
+@contextlib.contextmanager
+def timed_section(args):
+    """Around each timed part: wait for a quiet machine (--quiet-load), then hold --lock (flock) while timing,
+    and let go between parts so other people's heavy jobs can run in between."""
+    wait_quiet(args.quiet_load, args.quiet_wait_s)
+    if not args.lock:
+        yield
+        return
+    with open(args.lock, "a") as f:
+        say(f"[tune] waiting for {args.lock}")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            wait_quiet(args.quiet_load, min(args.quiet_wait_s, 120))  # whoever held the lock has just stopped
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def tokenizer_of(model: Path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model))
@@ -83,8 +103,7 @@ def cmd_calibrate(args) -> int:
     kv_bytes = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 4
     fits = {}
     for threads in args.threads:
-        wait_quiet(args.quiet_load, args.quiet_wait_s)
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, timed_section(args):
             points_path = Path(tmp) / "points.json"
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             load_before = os.getloadavg()
@@ -327,10 +346,10 @@ def cmd_verify(args) -> int:
         runs.reverse()
     measured = {}
     for label, config_name, threads in runs:
-        wait_quiet(args.quiet_load, args.quiet_wait_s)
-        say(f"[verify] {label}: {len(sends)} requests over {sends[-1][0]:.0f} s")
-        measured[label] = serve_and_replay(repo, config_name, threads, sends, drain, args.out / f"server-{label}.log",
-                                           warm, say)
+        with timed_section(args):
+            say(f"[verify] {label}: {len(sends)} requests over {sends[-1][0]:.0f} s")
+            measured[label] = serve_and_replay(repo, config_name, threads, sends, drain,
+                                               args.out / f"server-{label}.log", warm, say)
         m = measured[label]
         say(f"[verify] {label}: {m['output_tok_s']:.1f} tok/s, p99 TTFT {m['ttft_p99_ms']:.0f} ms, p99 ITL "
             f"{m['itl_p99_ms']:.0f} ms ({m['requests_done']}/{m['requests']} done)")
@@ -391,6 +410,8 @@ def _floats(text: str) -> list[float]:
 
 
 def add_quiet(p) -> None:
+    p.add_argument("--lock", help="hold this flock file during each timed part, not between them "
+                   "(e.g. /tmp/cpu-heavy.lock)")
     p.add_argument("--quiet-load", type=float, help="before each timed part, wait for the 1-minute load average "
                    "to fall below this (a shared machine)")
     p.add_argument("--quiet-wait-s", type=float, default=600, help="... but at most this long (default 600)")
