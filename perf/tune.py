@@ -313,7 +313,7 @@ def cmd_verify(args) -> int:
     import tune_trace
     from tune_cost import CostModel
     from tune_report import verify_report
-    from tune_sim import SimRequest, meets, simulate
+    from tune_sim import meets, simulate
     from tune_verify import serve_and_replay
 
     summary = json.loads((args.out / "summary.json").read_text())
@@ -330,12 +330,12 @@ def cmd_verify(args) -> int:
     default = {**default_options(repo, cost), **summary["default"]["options"]}
     base = default_options(repo, cost)
 
-    def predict(options):
-        sim_reqs = [SimRequest(r.arrival_s, r.prompt_ids, r.output_tokens, r.priority) for r in reqs]
-        res = simulate(sim_reqs, options, cost.step_seconds(int(options["threads"])), cost.kv_bytes_per_token)
-        f = res.figures
-        f["step_mean_ms"] = 1e3 * f["busy_frac"] * f["span_s"] / f["steps"] if f["steps"] else 0.0
-        return f
+    def predict(options, slowdown: float = 1.0):
+        """The simulator on exactly the replayed requests; slowdown scales every step's modelled time."""
+        step_cost = cost.step_seconds(int(options["threads"]))
+        res = simulate(reqs, options, (lambda sch: slowdown * step_cost(sch)) if slowdown != 1.0 else step_cost,
+                       cost.kv_bytes_per_token)
+        return res.figures
 
     pred = predict({**base, **chosen})
     dpred = predict(default)
@@ -353,6 +353,14 @@ def cmd_verify(args) -> int:
         m = measured[label]
         say(f"[verify] {label}: {m['output_tok_s']:.1f} tok/s, p99 TTFT {m['ttft_p99_ms']:.0f} ms, p99 ITL "
             f"{m['itl_p99_ms']:.0f} ms ({m['requests_done']}/{m['requests']} done)")
+    # Where the error comes from: re-predict with every step slowed by the measured/predicted mean step time.
+    # If these match the measurements, the scheduling is modelled right and the gap is the step cost (a busy
+    # host, the server's own work between steps); if not, the simulator misses something.
+    drift = {label: measured[label]["step_mean_ms"] / p["step_mean_ms"]
+             for label, p in (("chosen", pred), ("default", dpred)) if p["step_mean_ms"] and
+             measured[label].get("step_mean_ms")}
+    rescaled = {label: predict(opts, drift[label]) for label, opts in (("chosen", {**base, **chosen}),
+                                                                      ("default", default)) if label in drift}
     summary["measured"] = measured["chosen"]
     summary["default_measured"] = measured["default"]
     summary["verification"] = {
@@ -364,6 +372,9 @@ def cmd_verify(args) -> int:
                                                                           "itl_p99_ms") if pred[k]},
         "default_errors": {k: (measured["default"][k] - dpred[k]) / dpred[k]
                            for k in ("output_tok_s", "ttft_p99_ms", "itl_p99_ms") if dpred[k]},
+        "step_time_ratio": drift,
+        "predicted_replay_rescaled": rescaled.get("chosen"),
+        "default_predicted_replay_rescaled": rescaled.get("default"),
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     write_summary(args.out, summary)

@@ -196,6 +196,17 @@ def verify_report(summary: dict, out: Path) -> None:
         a, b = v["predicted_replay"].get(k), summary["measured"].get(k)
         c, e = v["default_predicted_replay"].get(k), summary["default_measured"].get(k)
         lines.append(f"| {k} | {fmt(a)} | {fmt(b)} | {_err(a, b)} | {fmt(c)} | {fmt(e)} | {_err(c, e)} |")
+    ratio = v.get("step_time_ratio") or {}
+    if v.get("predicted_replay_rescaled"):
+        lines += ["", f"Measured mean step time over predicted: chosen {ratio.get('chosen', 0):.2f}x, default "
+                  f"{ratio.get('default', 0):.2f}x. Predictions with every step scaled by that ratio (what is left "
+                  "is the scheduling model's error, not the step cost's):", "",
+                  "| figure | chosen rescaled | measured | error | default rescaled | measured | error |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p99_ms"):
+            a, b = v["predicted_replay_rescaled"].get(k), summary["measured"].get(k)
+            c, e = (v.get("default_predicted_replay_rescaled") or {}).get(k), summary["default_measured"].get(k)
+            lines.append(f"| {k} | {fmt(a)} | {fmt(b)} | {_err(a, b)} | {fmt(c)} | {fmt(e)} | {_err(c, e)} |")
     lines += ["", f"SLA p99 TTFT <= {sla['ttft_p99_ms']:.0f} ms, p99 ITL <= {sla['itl_p99_ms']:.0f} ms: "
               f"chosen **{'held' if v['sla_held'] else 'missed'}**, default "
               f"**{'held' if v['default_sla_held'] else 'missed'}** (measured).", ""]

@@ -202,6 +202,7 @@ def simulate(requests: list[SimRequest], options: dict, step_cost: Callable, kv_
         "steps": num_steps, "kv_blocks": num_blocks, "kv_peak_use": peak_blocks / num_blocks,
         "kv_mean_use": kv_used_time / busy_time / num_blocks if busy_time else 0.0,
         "busy_frac": busy_time / span if span > 0 else 0.0,
+        "step_mean_ms": 1e3 * busy_time / num_steps if num_steps else 0.0,
         "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
         "prefill_tokens_saved": bm.prefix_hits, "sim_wall_s": time.perf_counter() - wall,
     }
