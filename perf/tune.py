@@ -198,7 +198,10 @@ def default_options(repo: Path, cost) -> dict:
     names = set(engine_config({}).__dataclass_fields__) - {"model", "dtype", "device"}
     options = {k: v for k, v in params.items() if k in names and v.strip()}
     options = {k: v for k, v in vars(engine_config(options)).items() if k in names}
-    options["threads"] = int(cost.data["host"].get("default_threads", 1))
+    threads = int(cost.data["host"].get("default_threads", 1))
+    if threads not in cost.threads:  # not calibrated: the nearest thread count that was
+        threads = min(cost.threads, key=lambda t: (abs(t - threads), t))
+    options["threads"] = threads
     return options
 
 

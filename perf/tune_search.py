@@ -24,11 +24,10 @@ DEFAULT_GRID = {
     "block_size": [16, 32],
 }
 KV_POOLS_MIB = [32, 64, 128, 256, 512, 1024]  # tried smallest-first for the winner (stage 3)
-RATE_STEP = 1.25  # rate multiplier between race levels
+RATE_STEP = 1.25  # rate multiplier per step when one config climbs to its limit
 RATE_PRECISION = 0.02  # bisection stops when the bracket is this tight (relative)
 MAX_SCALE = 16.0  # a config still meeting the SLA at 16x the trace's rate is reported as ">= 16x" (the trace is
 MIN_SCALE = 1 / 64  # too short to load it); below 1/64 of the rate the SLA is called unreachable
-RACE_KEEP = 12  # configs kept per race level (those with the most slack): bounds the race's cost
 
 # The worker processes' shared inputs (set before the pool forks; read-only afterwards).
 _STATE: dict = {}
@@ -107,16 +106,15 @@ class Searcher:
         names = list(grid)
         return [{**self.base, **dict(zip(names, values))} for values in itertools.product(*(grid[n] for n in names))]
 
-    def race(self, survivors: list[Evaluated]) -> tuple[list[Evaluated], float, float]:
-        """Raise the rate by RATE_STEP while any config keeps the SLA, keeping the RACE_KEEP with the most slack
-        at each level; returns the last level's survivors, their rate multiplier, and the first multiplier where
-        none survived (or MAX_SCALE, if some always did)."""
-        scale = 1.0
-        survivors = sorted(survivors, key=_slack)[:RACE_KEEP]
-        while scale < MAX_SCALE:
-            nxt = min(scale * RATE_STEP, MAX_SCALE)
+    def race(self, survivors: list[Evaluated], scale: float, factor: float, limit: float
+             ) -> tuple[list[Evaluated], float, float]:
+        """Raise the rate by `factor` while any config keeps the SLA (up to `limit`); a config that fails at a
+        level cannot beat one that passes it, so it drops out. Returns the last level's survivors, their rate
+        multiplier, and the first multiplier where none survived (== the multiplier if `limit` was reached)."""
+        while scale < limit:
+            nxt = min(scale * factor, limit)
             evals = self.evaluate([s.options for s in survivors], nxt, True, f"race at rate x{nxt:.2f}")
-            passed = sorted((e for e in evals if e.ok), key=_slack)[:RACE_KEEP]
+            passed = [e for e in evals if e.ok]
             if not passed:
                 return survivors, scale, nxt
             survivors, scale = passed, nxt
@@ -139,11 +137,11 @@ class Searcher:
                 else:
                     hi[i] = mid
 
-    def max_rate(self, options: dict, first: Evaluated) -> tuple[float, Evaluated | None]:
-        """Highest sustainable multiplier of one config (0 if none down to MIN_SCALE), from its evaluation at
-        the trace's rate."""
+    def max_rate(self, options: dict, first: Evaluated, start: float = 1.0) -> tuple[float, Evaluated | None]:
+        """Highest sustainable multiplier of one config (0 if none down to MIN_SCALE), from its evaluation
+        `first` at multiplier `start`."""
         if first.ok:
-            lo = 1.0
+            lo = start
             while lo < MAX_SCALE:
                 hi = min(lo * RATE_STEP, MAX_SCALE)
                 ev = self.evaluate([options], hi, True, f"climb x{hi:.2f}")[0]
@@ -152,7 +150,7 @@ class Searcher:
                     return scale, best or first
                 lo, first = hi, ev
             return lo, first
-        hi = 1.0
+        hi = start
         while hi > MIN_SCALE:
             lo = hi / RATE_STEP
             ev = self.evaluate([options], lo, True, f"descend x{lo:.3f}")[0]
@@ -163,10 +161,23 @@ class Searcher:
         return 0.0, None
 
 
-def _slack(ev: Evaluated) -> float:
-    """How close a config runs to the SLA (the larger of its p99s over their limits): lower has more room."""
+PRIMARY = ("threads", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _primary(options: dict) -> tuple:
+    return tuple(options.get(k) for k in PRIMARY)
+
+
+def _representatives(evals: list[Evaluated]) -> list[Evaluated]:
+    """Per capacity-knob combination, the variant whose p99s sit furthest under the SLA."""
     sla = _STATE["sla"]
-    return max(ev.figures["ttft_p99_ms"] / sla["ttft_p99_ms"], ev.figures["itl_p99_ms"] / sla["itl_p99_ms"])
+    best: dict[tuple, tuple[float, Evaluated]] = {}
+    for e in evals:
+        slack = max(e.figures["ttft_p99_ms"] / sla["ttft_p99_ms"], e.figures["itl_p99_ms"] / sla["itl_p99_ms"])
+        key = _primary(e.options)
+        if key not in best or slack < best[key][0]:
+            best[key] = (slack, e)
+    return [e for _, e in best.values()]
 
 
 def _rank_key(ev: Evaluated, scale: float) -> tuple:
@@ -193,15 +204,33 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
         sla_met = bool(feasible)
         # 2. Race the feasible configs to higher rates; bisect the last survivors' limits.
         if feasible:
-            survivors, lo, hi = s.race(feasible)
-            progress(f"[search] {len(feasible)} configs meet the SLA at the trace's rate; {len(survivors)} "
-                     f"still at x{lo:.2f}, none at x{hi:.2f}; bisecting those")
+            # Only the capacity knobs race: per (threads, max_num_seqs, max_num_batched_tokens) the variant with
+            # the most room under the SLA at the trace's rate; the other options are settled after (step 2b).
+            reps = _representatives(feasible)
+            # Doubling first (most configs drop out early), then quarter-octave steps inside the last octave.
+            survivors, lo, hi = s.race(reps, 1.0, 2.0, MAX_SCALE)
+            if hi > lo:
+                first_fail = hi  # known to fail for all: the fine race stops one step below it
+                survivors, lo, hi = s.race(survivors, lo, 2 ** 0.25, first_fail / 2 ** 0.25 * (1 + 1e-9))
+                if hi == lo:
+                    hi = first_fail
+            progress(f"[search] {len(feasible)} configs meet the SLA at the trace's rate ({len(reps)} raced); "
+                     f"{len(survivors)} still at x{lo:.2f}, none at x{hi:.2f}; bisecting those")
             if hi > lo:
                 found = s.bisect([sv.options for sv in survivors], [lo] * len(survivors), [hi] * len(survivors))
             else:
                 found = [(lo, sv) for sv in survivors]
             limits = [(scale, ev or sv) for (scale, ev), sv in zip(found, survivors)]
             best_scale, best_ev = min(limits, key=lambda x: _rank_key(x[1], x[0]))
+            # 2b. The winner's siblings (other fast_lane_share / block_size): does one hold a higher rate?
+            siblings = [e for e in feasible if _primary(e.options) == _primary(best_ev.options)
+                        and e.options != best_ev.options] if best_scale < MAX_SCALE else []
+            step_up = min(best_scale * (1 + 2 * RATE_PRECISION), MAX_SCALE)
+            tries = s.evaluate([e.options for e in siblings], step_up, True, "the winner's siblings")
+            for ev in (e for e in tries if e.ok):
+                scale, top = s.max_rate(ev.options, ev, start=step_up)
+                if _rank_key(top or ev, scale) < _rank_key(best_ev, best_scale):
+                    best_scale, best_ev = scale, top or ev
         else:
             # Nothing meets it: take the config closest to it, and say how far the rate must fall.
             closest = min(evals, key=lambda e: max(e.figures["ttft_p99_ms"] / sla["ttft_p99_ms"],
