@@ -19,7 +19,8 @@ FIGURES = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", 
            "e2e_p99_ms", "queue_p50_ms", "queue_p99_ms", "preemptions", "prefix_hit_rate", "kv_peak_use")
 # What the server's replay can measure (queue time and KV use are the engine's, not visible to the client).
 VERIFIED = ("output_tok_s", "req_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
-            "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "preemptions", "prefix_hit_rate", "step_mean_ms", "steps")
+            "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "preemptions", "prefix_hit_rate", "step_mean_ms", "steps",
+            "send_lag_p99_ms")
 
 
 def fmt(v) -> str:

@@ -101,11 +101,13 @@ def replay(url: str, requests: list[tuple[float, str, int, int]], drain_s: float
     rp = Replayer(url, model)
     t0 = time.monotonic()
     next_report = t0 + 10
+    lags = []
     try:
         for k, (arrival, prompt, out_tokens, priority) in enumerate(requests):
             delay = t0 + arrival - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
+            lags.append(time.monotonic() - t0 - arrival)  # a busy client sends late: the replay's own error
             rp.send(str(k), prompt, out_tokens, priority)
             if time.monotonic() > next_report:
                 progress(f"[verify] sent {k + 1}/{len(requests)} at {time.monotonic() - t0:.0f} s, "
@@ -114,7 +116,9 @@ def replay(url: str, requests: list[tuple[float, str, int, int]], drain_s: float
         finished = rp.wait(len(requests), time.monotonic() + drain_s)
     finally:
         rp.close(cancel=True)
-    return figures_of(rp, len(requests), finished)
+    figures = figures_of(rp, len(requests), finished)
+    figures["send_lag_p99_ms"] = 1e3 * sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else 0.0
+    return figures
 
 
 def figures_of(rp: Replayer, num_requests: int, finished_all: bool) -> dict:
