@@ -6,6 +6,7 @@
     perf/tune.py verify --out DIR --trace FILE --duration 120   # real tritonserver, chosen vs default config
     perf/tune.py prefixes LOG --out DIR                    # prefix-cache hit rates per block size and pool
     perf/tune.py simulate --cost DIR/cost.json --trace FILE --set max_num_seqs=16   # one config's figures
+    perf/tune.py refresh-configs                           # after llm/config.pbtxt changed: tuned configs follow
 
 Every command writes summary.json beside its report (keys chosen, sla, predicted, measured, default_measured;
 null where the command has no such figure). Run the timing commands under `flock /tmp/cpu-heavy.lock`.
@@ -415,6 +416,14 @@ def cmd_prefixes(args) -> int:
     return 0
 
 
+def cmd_refresh_configs(args) -> int:
+    import tune_config
+
+    for path in tune_config.tuned_configs(args.repo):
+        say(f"[refresh] {path}: {'rewritten' if tune_config.refresh(args.repo, path) else 'up to date'}")
+    return 0
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -507,6 +516,10 @@ def main(argv=None) -> int:
     p.add_argument("--pool-mib", type=float, default=512, help="the pool the recommendation is made for")
     p.add_argument("--in-flight", type=int, default=16, help="requests holding blocks at once")
     p.set_defaults(fn=cmd_prefixes)
+
+    p = sub.add_parser("refresh-configs", help="re-render tuned configs after llm/config.pbtxt changed (values kept)")
+    p.add_argument("--repo", type=Path, default=DEFAULT_REPO)
+    p.set_defaults(fn=cmd_refresh_configs)
 
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -15,6 +15,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 # Tuner options that are not config.pbtxt parameters (yet): they travel in the header and the summary.
 NOT_PARAMETERS = ("threads",)
+TUNED_MARK = "Tuned by perf/tune.py"
+HEADER_END = "# ---- end of the tuner's header; below: llm/config.pbtxt with tuned parameter values ----"
 
 
 def _param_pattern(name: str) -> re.Pattern:
@@ -39,7 +41,7 @@ def render(source_text: str, options: dict, header: str) -> str:
                            f"{', '.join(sorted(engine_parameters(source_text)))}")
         text = pattern.sub(lambda m, v=str(value): m.group(1) + v + m.group(3), text)
     lines = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
-    return lines + text
+    return lines + HEADER_END + "\n" + text
 
 
 def differences(source_text: str, tuned_text: str) -> dict[str, tuple[str, str]]:
@@ -55,6 +57,29 @@ def differences(source_text: str, tuned_text: str) -> dict[str, tuple[str, str]]
     if a != b:
         raise ValueError("the tuned config differs from its source outside parameter values")
     return changed
+
+
+
+
+def tuned_configs(repo: Path) -> list[Path]:
+    return sorted(p for p in (repo / "llm" / "configs").glob("*.pbtxt") if TUNED_MARK in p.read_text())
+
+
+def refresh(repo: Path, path: Path) -> bool:
+    """Re-render a tuned config from the current llm/config.pbtxt, keeping its header and its parameter values
+    (after llm's inputs, outputs or comments changed). True if the file changed."""
+    source = (repo / "llm" / "config.pbtxt").read_text()
+    old = path.read_text()
+    lines = old.splitlines()
+    end = lines.index(HEADER_END)
+    header = "\n".join(line[2:] if line.startswith("# ") else "" for line in lines[:end])
+    theirs = engine_parameters(source)
+    values = {k: v for k, v in engine_parameters(old).items() if theirs.get(k) != v}
+    text = render(source, values, header)
+    if text == old:
+        return False
+    path.write_text(text)
+    return True
 
 
 def write(repo: Path, name: str, options: dict, header: str) -> Path:

@@ -21,8 +21,7 @@ TUNED = {"max_num_seqs": 6, "max_num_batched_tokens": 48, "fast_lane_share": 0.5
 def _committed_or_fresh(repo: Path) -> Path:
     """The project's committed tuned config if there is one (its model pointed at tiny-llama, the one value the
     test changes), else one written now by the tuner's writer."""
-    committed = sorted(p for p in (MODEL_REPOSITORY / "llm" / "configs").glob("*.pbtxt")
-                       if "Tuned by perf/tune.py" in p.read_text())
+    committed = tune_config.tuned_configs(MODEL_REPOSITORY)
     configs = repo / "llm" / "configs"
     if committed:
         source = committed[0]

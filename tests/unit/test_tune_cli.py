@@ -125,17 +125,23 @@ def test_config_writer_changes_only_parameter_values():
         tune_config.differences(source, text.replace('max_batch_size: 0', 'max_batch_size: 4'))
 
 
-def tuned_configs() -> list[Path]:
-    return sorted(p for p in (MODEL_REPOSITORY / "llm" / "configs").glob("*.pbtxt")
-                  if "Tuned by perf/tune.py" in p.read_text())
-
-
-@pytest.mark.parametrize("path", tuned_configs(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", tune_config.tuned_configs(MODEL_REPOSITORY), ids=lambda p: p.stem)
 def test_committed_tuned_configs_follow_llm_config(path):
-    """A tuned config must stay llm/config.pbtxt with other parameter values: rerun `perf/tune.py search` (or
-    edit the values in) when llm's inputs, outputs or parameters change."""
+    """A tuned config must stay llm/config.pbtxt with other parameter values: run `perf/tune.py refresh-configs`
+    when llm's inputs, outputs or comments change."""
     source = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
     tune_config.differences(source, path.read_text())
     params = tune_config.engine_parameters(path.read_text())
     params["model"] = TINY
     parse_model_parameters(params, MODEL_REPOSITORY)  # every value is a valid engine option
+
+
+def test_refresh_keeps_values_and_header_when_llm_config_changes(repo):
+    path = tune_config.write(repo, "mine", {"max_num_seqs": 12, "threads": 1}, "Tuned by perf/tune.py test\nline 2")
+    assert not tune_config.refresh(repo, path)  # nothing to do
+    source = repo / "llm" / "config.pbtxt"
+    source.write_text(source.read_text().replace("max_batch_size: 0", "# a new comment\nmax_batch_size: 0"))
+    assert tune_config.refresh(repo, path)
+    text = path.read_text()
+    assert tune_config.differences(source.read_text(), text) == {"max_num_seqs": ("64", "12")}
+    assert text.startswith("# Tuned by perf/tune.py test\n# line 2\n") and "# a new comment" in text
