@@ -84,6 +84,13 @@ def tokenizer_of(model: Path):
     return AutoTokenizer.from_pretrained(str(model))
 
 
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of every layer for one token, float32 (the CPU dtype)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 4
+
+
 def code_version() -> str:
     """Commit of this checkout, '+dirty' when the engine's sources have uncommitted changes."""
     def git(*args):
@@ -99,9 +106,7 @@ def cmd_calibrate(args) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model.resolve()
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 4
+    kv_bytes = kv_bytes_per_token(model)
     fits = {}
     for threads in args.threads:
         with tempfile.TemporaryDirectory() as tmp, timed_section(args):
@@ -395,9 +400,7 @@ def cmd_prefixes(args) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_of(args.model)
-    cfg = json.loads((args.model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim * 4
+    kv_bytes = kv_bytes_per_token(args.model)
     try:  # a trace (synthetic prompts materialized) or a plain prompt log
         texts = [tune_trace.prompt_text(r, tok) for r in tune_trace.load(args.log)]
     except tune_trace.TraceError:
@@ -405,10 +408,18 @@ def cmd_prefixes(args) -> int:
     prompts = [list(ids) for ids in tok(texts)["input_ids"]]
     say(f"[prefixes] {len(prompts)} prompts, {sum(map(len, prompts))} tokens")
     rows = table(prompts, args.block_sizes, args.pools_mib, kv_bytes, args.in_flight, say)
-    choice, reasons = recommend(rows, args.pool_mib if args.pool_mib in args.pools_mib else args.pools_mib[-1])
+    pool = args.pool_mib if args.pool_mib in args.pools_mib else args.pools_mib[-1]
+    choice, reasons = recommend(rows, pool)
+    best = next(r for r in rows if r.block_size == choice["block_size"] and r.pool_mib == pool)
+    if args.cost:  # what the saved prefill is worth on this host
+        from tune_cost import CostModel
+        cost = CostModel.load(args.cost)
+        threads = min(cost.threads)
+        ms = cost.fits[threads].coef_ms["tokens"]
+        reasons.append(f"that is about {best.hit_tokens * ms / 1e3:.0f} s of prefill compute saved over the log "
+                       f"({ms:.2f} ms a token at {threads} thread(s), {cost.data['host']['cpu']})")
     prefix_report(str(args.log), rows, choice, reasons, len(prompts), sum(map(len, prompts)), args.in_flight,
                   args.out)
-    best = max((r for r in rows if r.block_size == choice["block_size"]), key=lambda r: r.pool_mib)
     write_summary(args.out, {"chosen": choice, "reasons": reasons,
                              "predicted": {"prefix_hit_rate": best.hit_rate, "prefill_tokens_saved": best.hit_tokens},
                              "table": [{**vars(r), "hit_rate": r.hit_rate} for r in rows]})
@@ -515,6 +526,7 @@ def main(argv=None) -> int:
     p.add_argument("--pools-mib", type=_floats, default=[32, 128, 512])
     p.add_argument("--pool-mib", type=float, default=512, help="the pool the recommendation is made for")
     p.add_argument("--in-flight", type=int, default=16, help="requests holding blocks at once")
+    p.add_argument("--cost", type=Path, help="a cost.json: also say how much prefill time the hits save")
     p.set_defaults(fn=cmd_prefixes)
 
     p = sub.add_parser("refresh-configs", help="re-render tuned configs after llm/config.pbtxt changed (values kept)")
