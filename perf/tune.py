@@ -122,12 +122,11 @@ def cmd_calibrate(args) -> int:
             points = json.loads(points_path.read_text())
         f = fit(points)
         cpu_share = sum(min(p["cpu_ms"]) for p in points) / sum(min(p["wall_ms"]) for p in points)
-        fits[str(threads)] = {"coef_ms": f.coef_ms, "stats": f.stats, "points": points, "clock": args.clock,
+        fits[str(threads)] = {"coef_ms": f.coef_ms, "knee": f.knee, "stats": f.stats, "points": points,
+                              "clock": args.clock,
                               "cpu_per_wall": round(cpu_share, 3),
                               "load_average": [round(x, 2) for x in load_before + os.getloadavg()]}
-        say(f"[calibrate] {threads} thread(s): mean abs error {f.stats['mean_abs_rel_err']:.1%} "
-            f"(5-fold CV {f.stats['cv_mean_abs_rel_err']:.1%}), coefficients (ms) "
-            + ", ".join(f"{k} {v:.3g}" for k, v in f.coef_ms.items()))
+        say(f"[calibrate] {threads} thread(s): {describe_fit(f)}")
     default_threads = int(subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, text=True,
         env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}).stdout.strip() or 1)
@@ -164,6 +163,28 @@ def _cpu_name() -> str:
 def _torch_version() -> str:
     import torch
     return torch.__version__
+
+
+def describe_fit(f) -> str:
+    return (f"mean abs error {f.stats['mean_abs_rel_err']:.1%} (5-fold CV {f.stats['cv_mean_abs_rel_err']:.1%}, "
+            f"max {f.stats['max_abs_rel_err']:.0%}), knee {f.knee:g}K, coefficients (ms) "
+            + ", ".join(f"{k} {v:.3g}" for k, v in f.coef_ms.items()))
+
+
+def cmd_refit(args) -> int:
+    """Fit cost.json's stored points again (after the model's form changed): no new measurements."""
+    from tune_cost import FORM, CostModel, fit
+    from tune_report import calibrate_report
+
+    cost = CostModel.load(args.cost)
+    for t, entry in cost.data["fits"].items():
+        f = fit(entry["points"])
+        entry.update(coef_ms=f.coef_ms, knee=f.knee, stats=f.stats)
+        say(f"[refit] {t} thread(s): {describe_fit(f)}")
+    cost.data["form"] = FORM
+    cost.save(args.cost)
+    calibrate_report(cost.data, args.cost.parent)
+    return 0
 
 
 def cmd_calibrate_worker(args) -> int:
@@ -465,6 +486,10 @@ def main(argv=None) -> int:
                    help="time steps by wall clock (default) or by process CPU time (1 thread, on a busy machine)")
     add_quiet(p)
     p.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("refit", help="fit a cost.json's measured points again (no new measurements)")
+    p.add_argument("--cost", type=Path, required=True)
+    p.set_defaults(fn=cmd_refit)
 
     p = sub.add_parser("calibrate-worker", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, required=True)

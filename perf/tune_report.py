@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from tune_cost import FEATURES, FORM  # noqa: E402
+from tune_cost import FEATURES, FORM, Fit  # noqa: E402
 from tune_search import SearchResult, pareto  # noqa: E402
 
 TUNED = ("threads", "max_num_seqs", "max_num_batched_tokens", "fast_lane_share", "block_size",
@@ -48,15 +48,17 @@ def calibrate_report(cost: dict, out: Path) -> None:
              f"Host {cost['host']['hostname']}, {cost['host']['cpus']} CPUs, torch {cost['host']['torch']}, "
              f"dtype {cost['dtype']}, gemm {cost['host']['cpu_gemm']}, code {cost['code_version']}, "
              f"{cost['created']}.", "", f"Form: `{FORM}`", ""]
-    lines += ["| threads | " + " | ".join(FEATURES) + " | points | mean abs rel err | max | 5-fold CV mean | "
-              "clock | CPU/wall | load avg (before, after) |", "|---|" + "---:|" * (len(FEATURES) + 7)]
+    lines += ["| threads | " + " | ".join(FEATURES) + " | knee | points | mean abs rel err | max | 5-fold CV mean | "
+              "clock | CPU/wall | load avg (before, after) |", "|---|" + "---:|" * (len(FEATURES) + 8)]
     for t, f in sorted(cost["fits"].items(), key=lambda x: int(x[0])):
         s = f["stats"]
-        lines.append(f"| {t} | " + " | ".join(f"{f['coef_ms'][k]:.4g}" for k in FEATURES) +
-                     f" | {s['points']} | {s['mean_abs_rel_err']:.1%} | {s['max_abs_rel_err']:.1%} | "
+        lines.append(f"| {t} | " + " | ".join(f"{f['coef_ms'].get(k, 0.0):.4g}" for k in FEATURES) +
+                     f" | {f.get('knee', 1e9):g}K | {s['points']} | {s['mean_abs_rel_err']:.1%} | "
+                     f"{s['max_abs_rel_err']:.1%} | "
                      f"{s['cv_mean_abs_rel_err']:.1%} | {f.get('clock', 'wall')} | {f.get('cpu_per_wall', '')} | "
                      f"{f['load_average']} |")
-    lines += ["", "Coefficients in ms per unit (attention terms per 1000 token-positions). Each point is the "
+    lines += ["", "Coefficients in ms per unit (attention terms per 1000 token-positions; the knee in thousands of "
+              "decode positions). Each point is the "
               "fastest of its repeats. CPU/wall: the process's CPU time over wall time of the timed steps; with "
               "one thread, well under 1 means other work took the CPU (the wall figures are then inflated). "
               "Measured vs fitted step times: `cost_fit.png`.", ""]
@@ -64,7 +66,8 @@ def calibrate_report(cost: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
     for t, f in sorted(cost["fits"].items()):
         meas = [p["step_ms"] for p in f["points"]]
-        pred = [sum(f["coef_ms"][k] * x for k, x in zip(FEATURES, p["features"])) for p in f["points"]]
+        model = Fit(f["coef_ms"], f.get("knee", 1e9))
+        pred = [model.predict_ms(p["features"]) for p in f["points"]]
         ax.scatter(meas, pred, s=12, label=f"{t} thread(s)")
     hi = max(p["step_ms"] for f in cost["fits"].values() for p in f["points"])
     ax.plot([0, hi], [0, hi], "k--", lw=0.8)

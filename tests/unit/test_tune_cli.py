@@ -15,7 +15,7 @@ import tune
 import tune_config
 from engine_helpers import MODEL_REPOSITORY, ROOT, TINY
 from serving.options import parse_model_parameters
-from tune_cost import FEATURES, CostModel, fit
+from tune_cost import FEATURES, CostModel, Fit, fit
 
 SUMMARY_KEYS = {"chosen", "sla", "predicted", "measured", "default_measured"}
 
@@ -43,9 +43,23 @@ def test_fit_recovers_known_coefficients():
         x = [1.0, *rng.uniform(0, 500, 1), *rng.uniform(0, 64, 1), *rng.integers(0, 4, 1), *rng.uniform(0, 300, 3)]
         points.append({"features": x, "step_ms": sum(COEF[k] * v for k, v in zip(FEATURES, x))})
     f = fit(points)
-    for k in FEATURES:
+    for k in COEF:
         assert f.coef_ms[k] == pytest.approx(COEF[k], abs=1e-6)
+    assert f.coef_ms["decode_spill"] == pytest.approx(0, abs=1e-6)
     assert f.stats["max_abs_rel_err"] < 1e-9 and f.stats["cv_max_abs_rel_err"] < 1e-9
+
+
+def test_fit_finds_where_decode_attention_spills_out_of_cache():
+    rng = np.random.default_rng(2)
+    truth = Fit({**COEF, "decode_spill": 3.0}, knee=16.0)
+    points = []
+    for _ in range(80):
+        x = [1.0, *rng.uniform(0, 500, 1), *rng.uniform(0, 64, 1), *rng.integers(0, 4, 1), *rng.uniform(0, 40, 3)]
+        points.append({"features": x, "step_ms": truth.predict_ms(x)})
+    f = fit(points)
+    assert f.knee == 16.0 and f.coef_ms["decode_spill"] == pytest.approx(3.0, rel=1e-6)
+    assert CostModel({"model": {"kv_bytes_per_token": 1}, "fits": {"1": {"coef_ms": f.coef_ms, "knee": f.knee}}}
+                     ).step_seconds(1)([]) == pytest.approx(COEF["step"] / 1e3)
 
 
 def test_calibrate_on_the_tiny_model_writes_a_usable_cost_model(tmp_path):
