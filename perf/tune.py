@@ -42,6 +42,8 @@ def say(msg: str) -> None:
 
 def write_summary(out: Path, data: dict) -> None:
     data = {**dict.fromkeys(SUMMARY_KEYS), **data}
+    command = " ".join(["perf/tune.py", *sys.argv[1:]])
+    data.setdefault("commands", {})[sys.argv[1] if len(sys.argv) > 1 else "?"] = command
     (out / "summary.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
 
 

@@ -8,6 +8,7 @@ winner is the config that sustains the highest rate (ties: smaller KV pool, then
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import os
 import time
@@ -263,9 +264,13 @@ def search(requests: list[SimRequest], cost_model, sla: dict, grid: dict, defaul
         s.close()
 
 
-def pareto(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other beats on both (higher first value, lower second), by first value."""
-    order = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
+def pareto(points: list[tuple[float, float]], tie: float = 0.005) -> list[int]:
+    """Indices of the points no other beats on both (higher first value, lower second), by first value. First
+    values within `tie` (relative) of each other count as equal: 39.67 and 39.66 tokens/s are the same load."""
+    def bucket(v: float) -> int:
+        return round(math.log(v) / math.log1p(tie)) if v > 0 else -(1 << 30)
+
+    order = sorted(range(len(points)), key=lambda i: (-bucket(points[i][0]), points[i][1]))
     front, best_second = [], float("inf")
     for i in order:
         if points[i][1] < best_second:
