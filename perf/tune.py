@@ -122,6 +122,7 @@ def cmd_calibrate(args) -> int:
             if done.returncode:
                 return done.returncode
             points = json.loads(points_path.read_text())
+            (args.out / f"points-{threads}.json").write_text(json.dumps(points))  # kept if a later part fails
         f = fit(points)
         cpu_share = sum(min(p["cpu_ms"]) for p in points) / sum(min(p["wall_ms"]) for p in points)
         fits[str(threads)] = {"coef_ms": f.coef_ms, "knee": f.knee, "stats": f.stats, "points": points,
@@ -132,6 +133,16 @@ def cmd_calibrate(args) -> int:
     default_threads = int(subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True, text=True,
         env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}).stdout.strip() or 1)
+    previous = args.out / "cost.json"
+    if args.keep_other_threads and previous.exists():
+        # Re-measure some thread counts (e.g. one that ran while the machine was busy), keep the others' fits,
+        # as long as they were taken on this host, for this model, with this code.
+        old = json.loads(previous.read_text())
+        if (old["host"]["hostname"], old["model"]["name"], old["code_version"]) == (
+                platform.node(), model.name, code_version()):
+            fits = {**{t: f for t, f in old["fits"].items() if t not in fits}, **fits}
+        else:
+            say(f"[calibrate] {previous} is from another host, model or code version: not kept")
     cost = {
         "form": FORM, "features": list(FEATURES),
         "host": {"hostname": platform.node(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
@@ -484,6 +495,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts to calibrate (default 1,2)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per shape (median kept)")
     p.add_argument("--quick", action="store_true", help="a small grid (smoke tests)")
+    p.add_argument("--keep-other-threads", action="store_true",
+                   help="keep OUT/cost.json's fits for thread counts not measured now (same host, model, code)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock (default) or by process CPU time (1 thread, on a busy machine)")
     add_quiet(p)
