@@ -94,10 +94,11 @@ def kv_bytes_per_token(model: Path) -> int:
 
 
 def code_version() -> str:
-    """Commit of this checkout, '+dirty' when the engine's sources have uncommitted changes."""
+    """The last commit that changed the engine's sources (backend_src), '+dirty' with uncommitted changes there:
+    what a step's cost depends on (perf/ and docs do not change it)."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    head = git("log", "-1", "--format=%h", "--abbrev=12", "--", "backend_src") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "backend_src") else "")
 
 
