@@ -119,7 +119,8 @@ def cmd_calibrate(args) -> int:
             say(f"[calibrate] {model.name}, {threads} thread(s), load average {load_before[0]:.2f}")
             done = subprocess.run([sys.executable, __file__, "calibrate-worker", "--model", str(model),
                                    "--threads", str(threads), "--reps", str(args.reps), "--json", str(points_path),
-                                   "--clock", args.clock] + (["--quick"] if args.quick else []), env=env)
+                                   "--clock", args.clock, "--retries", str(args.retries)]
+                                  + (["--quick"] if args.quick else []), env=env)
             if done.returncode:
                 return done.returncode
             points = json.loads(points_path.read_text())
@@ -206,7 +207,8 @@ def cmd_calibrate_worker(args) -> int:
 
     from tune_calibrate import FULL_GRID, QUICK_GRID, calibrate
     torch.set_num_threads(args.threads)
-    points = calibrate(str(args.model), QUICK_GRID if args.quick else FULL_GRID, args.reps, args.clock, say)
+    points = calibrate(str(args.model), QUICK_GRID if args.quick else FULL_GRID, args.reps, args.clock, args.retries,
+                       say)
     Path(args.json).write_text(json.dumps(points))
     return 0
 
@@ -496,6 +498,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts to calibrate (default 1,2)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per shape (median kept)")
     p.add_argument("--quick", action="store_true", help="a small grid (smoke tests)")
+    p.add_argument("--retries", type=int, default=3, help="re-measure a shape slowed by other work up to N times")
     p.add_argument("--keep-other-threads", action="store_true",
                    help="keep OUT/cost.json's fits for thread counts not measured now (same host, model, code)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -513,6 +516,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", required=True)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--retries", type=int, default=3)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.set_defaults(fn=cmd_calibrate_worker)
 

@@ -50,7 +50,7 @@ class _Recorder:
         return out
 
 
-def calibrate(model: str, grid: dict, reps: int, clock: str = "wall",
+def calibrate(model: str, grid: dict, reps: int, clock: str = "wall", retries: int = RETRIES,
               progress: Callable[[str], None] = print) -> list[dict]:
     """Timed points: each shape's fastest of `reps` steps (after one warm-up step), by wall clock, or by the
     process's CPU time (clock="cpu": what a step costs on a core of its own; meaningful for one thread only,
@@ -116,7 +116,7 @@ def calibrate(model: str, grid: dict, reps: int, clock: str = "wall",
         shapes = grid["prefills"] if rows else [s for s in grid["prefills"] if s[2]] + grid["pure_prefills"]
         for chunk, chunk_ctx, num_chunks in shapes:
             samples = []
-            for _ in range(1 + RETRIES):
+            for attempt in range(1 + retries):
                 for rep in range(reps + 1):  # the first of each shape is a warm-up (new matmul sizes)
                     prefix = cached_prefix(chunk_ctx)
                     for _ in range(num_chunks):
@@ -129,7 +129,7 @@ def calibrate(model: str, grid: dict, reps: int, clock: str = "wall",
                 # The fastest of the repeats: other work on a shared machine only ever adds time to a step.
                 k = min(range(len(samples)), key=lambda i: samples[i][0] if clock == "wall" else samples[i][1])
                 wall_ms, cpu_ms, features = samples[k]
-                if clock == "cpu" or cpu_ms >= CONTENDED * threads * wall_ms:
+                if clock == "cpu" or cpu_ms >= CONTENDED * threads * wall_ms or attempt == retries:
                     break
                 # Our threads did not get the CPU for that step: someone else's work. Wait, measure again.
                 progress(f"[calibrate] contended (cpu/wall {cpu_ms / wall_ms:.2f} with {threads} thread(s)): "

@@ -64,7 +64,7 @@ def test_fit_finds_where_decode_attention_spills_out_of_cache():
 
 def test_calibrate_on_the_tiny_model_writes_a_usable_cost_model(tmp_path):
     done = subprocess.run([sys.executable, str(Path(ROOT) / "perf" / "tune.py"), "calibrate", "--out", str(tmp_path),
-                           "--model", TINY, "--threads", "1", "--reps", "1", "--quick"],
+                           "--model", TINY, "--threads", "1", "--reps", "1", "--quick", "--retries", "0"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     cost = CostModel.load(tmp_path / "cost.json")
