@@ -116,14 +116,24 @@ class LlamaCppStream:
         self._local = threading.local()
 
     def stream(self, prompt: str, max_tokens: int) -> Result:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
         body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
                            "temperature": 0.0})
-        res = Result(time.perf_counter())
-        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
+        for attempt in (1, 2):
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+            res = Result(time.perf_counter())
+            try:
+                conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                # llama-server closes a keep-alive connection left idle for a few seconds; nothing was
+                # generated yet, so open a new one and send again (once).
+                conn.close()
+                self._local.conn = None
+                if attempt == 2:
+                    raise
         if resp.status != 200:
             raise RuntimeError(f"llama_cpp: HTTP {resp.status}: {resp.read()[:500]!r}")
         while True:
