@@ -199,6 +199,11 @@ def cmd_refit(args) -> int:
     cost.data["form"] = FORM
     cost.save(args.cost)
     calibrate_report(cost.data, args.cost.parent)
+    summary = args.cost.parent / "summary.json"
+    if summary.exists():  # calibrate's summary: the fit statistics follow the new fit
+        data = json.loads(summary.read_text())
+        data["cost"] = {t: entry["stats"] for t, entry in cost.data["fits"].items()}
+        summary.write_text(json.dumps(data, indent=1, default=float) + "\n")
     return 0
 
 
@@ -339,6 +344,7 @@ def cmd_search(args) -> int:
                    "seconds": res.seconds, "workers": args.workers or os.cpu_count(), "grid": grid},
         "cost": {"path": str(args.cost), "host": f"{cost.data['host']['cpu']}, {cost.data['host']['cpus']} CPUs",
                  "code_version": cost.data["code_version"],
+                 "server_step_scale": {str(t): cost.server_scale_for(t) for t in cost.threads},
                  "fit": {t: f.stats for t, f in cost.fits.items()}},
         "trace": {"path": str(args.trace), "requests": len(trace),
                   "output_tokens": sum(r.output_tokens for r in trace),
@@ -359,7 +365,7 @@ def cmd_verify(args) -> int:
     import tune_trace
     from tune_cost import CostModel
     from tune_report import verify_report
-    from tune_sim import meets, simulate
+    from tune_sim import SimRequest, meets, simulate
     from tune_verify import serve_and_replay
 
     summary = json.loads((args.out / "summary.json").read_text())
@@ -367,10 +373,18 @@ def cmd_verify(args) -> int:
     repo = args.repo or Path(summary.get("repo") or DEFAULT_REPO)
     cost = CostModel.load(Path(summary["cost"]["path"]))
     trace, reqs, tok = load_trace(trace_path, cost, args.model)
-    keep = [i for i, r in enumerate(trace) if r.arrival_s < args.duration] or [0]
+    start, end = args.start, args.start + args.duration
+    before = [i for i, r in enumerate(trace) if r.arrival_s < start]
+    keep = [i for i, r in enumerate(trace) if start <= r.arrival_s < end] or [len(before)]
+    warm_texts = [tune_trace.prompt_text(trace[i], tok) for i in before]  # the window's past: the prefix cache
     trace, reqs = [trace[i] for i in keep], [reqs[i] for i in keep]
     texts = [tune_trace.prompt_text(r, tok) for r in trace]
-    sends = [(r.arrival_s, t, r.output_tokens, r.priority) for r, t in zip(trace, texts)]
+    t0 = trace[0].arrival_s if start else 0.0
+    sends = [(r.arrival_s - t0, t, r.output_tokens, r.priority) for r, t in zip(trace, texts)]
+    reqs = [SimRequest(r.arrival_s - t0, r.prompt_ids, r.output_tokens, r.priority) for r in reqs]
+    # Served before the timed replay, on the server and (the same prompts, 4 tokens each) in the simulator.
+    warm = warm_texts + [texts[0], "The capital of France is"]
+    warm_reqs = [SimRequest(0.0, list(ids), 4) for ids in tok(warm)["input_ids"]]
     sla = summary["sla"]
     chosen = summary["chosen"]
     default = {**default_options(repo, cost), **summary["default"]["options"]}
@@ -380,13 +394,12 @@ def cmd_verify(args) -> int:
         """The simulator on exactly the replayed requests; slowdown scales every step's modelled time."""
         step_cost = cost.step_seconds(int(options["threads"]))
         res = simulate(reqs, options, (lambda sch: slowdown * step_cost(sch)) if slowdown != 1.0 else step_cost,
-                       cost.kv_bytes_per_token)
+                       cost.kv_bytes_per_token, warm=warm_reqs)
         return res.figures
 
     pred = predict({**base, **chosen})
     dpred = predict(default)
     drain = args.drain if args.drain is not None else max(60.0, args.duration)
-    warm = [texts[0], "The capital of France is"]
     runs = [("chosen", summary["name"], chosen.get("threads")), ("default", None, None)]
     if args.default_first:
         runs.reverse()
@@ -410,7 +423,8 @@ def cmd_verify(args) -> int:
     summary["measured"] = measured["chosen"]
     summary["default_measured"] = measured["default"]
     summary["verification"] = {
-        "trace": str(trace_path), "duration_s": args.duration, "requests": len(sends),
+        "trace": str(trace_path), "start_s": args.start, "duration_s": args.duration, "requests": len(sends),
+        "warm_up_requests": len(warm),
         "predicted_replay": pred, "default_predicted_replay": dpred,
         "sla_held": meets(measured["chosen"], sla), "default_sla_held": meets(measured["default"], sla),
         "predicted_sla_held": meets(pred, sla), "default_predicted_sla_held": meets(dpred, sla),
@@ -419,6 +433,12 @@ def cmd_verify(args) -> int:
         "default_errors": {k: (measured["default"][k] - dpred[k]) / dpred[k]
                            for k in ("output_tok_s", "ttft_p99_ms", "itl_p99_ms") if dpred[k]},
         "step_time_ratio": drift,
+        "threads": {"chosen": int(chosen.get("threads") or default["threads"]), "default": int(default["threads"])},
+        "server_step_scale_used": {k: cost.server_scale_for(t) for k, t in (
+            ("chosen", int(chosen.get("threads") or default["threads"])), ("default", int(default["threads"])))},
+        "step_time_ratio_to_engine": {k: v * cost.server_scale_for(
+            int(chosen.get("threads") or default["threads"]) if k == "chosen" else int(default["threads"]))
+            for k, v in drift.items()},
         "predicted_replay_rescaled": rescaled.get("chosen"),
         "default_predicted_replay_rescaled": rescaled.get("default"),
         "when": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -461,6 +481,35 @@ def cmd_prefixes(args) -> int:
                              "predicted": {"prefix_hit_rate": best.hit_rate, "prefill_tokens_saved": best.hit_tokens},
                              "table": [{**vars(r), "hit_rate": r.hit_rate} for r in rows]})
     say(f"[prefixes] recommend {choice}; report {args.out / 'report.md'}")
+    return 0
+
+
+def cmd_server_scale(args) -> int:
+    """Record in cost.json how much slower a step is in tritonserver than alone, per torch thread count: the mean
+    over verify runs of measured / modelled engine step time. search, simulate and verify then predict the
+    server."""
+    from tune_cost import CostModel
+
+    cost = CostModel.load(args.cost)
+    by_threads: dict[str, list[float]] = {}
+    sources = []
+    for d in args.source:
+        summary = json.loads((d / "summary.json").read_text())
+        v = summary["verification"]
+        threads = v.get("threads") or {"chosen": int(summary["chosen"]["threads"]),
+                                       "default": int(summary["default"]["options"]["threads"])}
+        used = v.get("server_step_scale_used", 1.0)
+        r = {k: x * (used[k] if isinstance(used, dict) else used) for k, x in v["step_time_ratio"].items()}
+        for k, x in r.items():
+            by_threads.setdefault(str(threads[k]), []).append(x)
+        sources.append({"dir": str(d), "ratios": r, "threads": threads, "when": v.get("when")})
+    scale = {t: round(sum(x) / len(x), 3) for t, x in sorted(by_threads.items())}
+    cost.data["server"] = {"step_scale": scale, "sources": sources,
+                           "note": "server step time / engine step time measured by perf/tune.py verify, "
+                                   "per torch thread count"}
+    cost.save(args.cost)
+    say(f"[server-scale] {args.cost}: step_scale " + ", ".join(
+        f"{t} thread(s) {x} (from {', '.join(f'{y:.3f}' for y in by_threads[t])})" for t, x in scale.items()))
     return 0
 
 
@@ -556,6 +605,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the search's folder (summary.json)")
     p.add_argument("--trace", type=Path, help="default: the search's trace")
     p.add_argument("--duration", type=float, required=True, help="replay the requests arriving in the first S seconds")
+    p.add_argument("--start", type=float, default=0.0,
+                   help="... from this second of the trace on; the prompts before it warm the prefix cache first "
+                   "(server and simulator), as a server that has been running would have it")
     p.add_argument("--drain", type=float, help="seconds to wait for the last requests (default max(60, duration))")
     p.add_argument("--repo", type=Path)
     p.add_argument("--model", type=Path)
@@ -573,6 +625,11 @@ def main(argv=None) -> int:
     p.add_argument("--in-flight", type=int, default=16, help="requests holding blocks at once")
     p.add_argument("--cost", type=Path, help="a cost.json: also say how much prefill time the hits save")
     p.set_defaults(fn=cmd_prefixes)
+
+    p = sub.add_parser("server-scale", help="record the server's step-time factor (from verify runs) in cost.json")
+    p.add_argument("--cost", type=Path, required=True)
+    p.add_argument("source", type=Path, nargs="+", help="verified search folders (summary.json)")
+    p.set_defaults(fn=cmd_server_scale)
 
     p = sub.add_parser("refresh-configs", help="re-render tuned configs after llm/config.pbtxt changed (values kept)")
     p.add_argument("--repo", type=Path, default=DEFAULT_REPO)

@@ -131,12 +131,29 @@ class CostModel:
     def kv_bytes_per_token(self) -> int:
         return int(self.data["model"]["kv_bytes_per_token"])
 
-    def step_seconds(self, threads: int) -> "StepCost":
+    @property
+    def server_step_scale(self) -> float:
+        """How much longer a step takes inside tritonserver than the engine alone (calibrate times), at the
+        host's default thread count: see server_scale_for."""
+        return self.server_scale_for(int(self.data["host"].get("default_threads", 1)))
+
+    def server_scale_for(self, threads: int) -> float:
+        """The server's step-time factor for this many torch threads: the gRPC frontend, the backend's IPC,
+        the response sender and the clients share the CPUs with the engine's threads. Measured by verify,
+        recorded by `perf/tune.py server-scale` (one number, or one per thread count); 1.0 until then."""
+        scale = (self.data.get("server") or {}).get("step_scale", 1.0)
+        if isinstance(scale, dict):
+            return float(scale.get(str(threads), 1.0))
+        return float(scale)
+
+    def step_seconds(self, threads: int, scale: float | None = None) -> "StepCost":
+        """The step cost on the server: the fitted engine step x server_scale_for(threads) (or `scale`)."""
         if threads not in self.fits:
             raise ValueError(f"threads={threads} was not calibrated: allowed {', '.join(map(str, self.threads))} "
                              "(rerun `perf/tune.py calibrate --threads ...`)")
         f = self.fits[threads]
-        return StepCost(f.coef_ms, f.knee)
+        k = self.server_scale_for(threads) if scale is None else scale
+        return StepCost({name: k * v for name, v in f.coef_ms.items()}, f.knee)
 
 
 class StepCost:

@@ -95,7 +95,8 @@ def search_report(summary: dict, res: SearchResult, out: Path) -> None:
              f"{sla['itl_p99_ms']:.0f} ms at {sla['rate']:.2f} req/s", "",
              f"Trace `{summary['trace']['path']}` ({summary['trace']['requests']} requests, "
              f"{summary['trace']['output_tokens']} output tokens), cost model `{summary['cost']['path']}` "
-             f"({summary['cost']['host']}, code {summary['cost']['code_version']}).", "",
+             f"({summary['cost']['host']}, code {summary['cost']['code_version']}; engine step x "
+             f"{_scales(summary['cost'].get('server_step_scale', 1.0))} in the server).", "",
              f"Searched {summary['search']['configs']} configs at the trace's rate in "
              f"{summary['search']['grid_seconds']:.1f} s ({summary['search']['configs_per_s']:.1f} configs/s, "
              f"{summary['search']['workers']} workers); {summary['search']['simulations']} simulations in all, "
@@ -192,8 +193,10 @@ def verify_report(summary: dict, out: Path) -> None:
     v = summary["verification"]
     sla = summary["sla"]
     lines = [f"# Verification of `{summary['name']}` on tritonserver", "",
-             f"Trace `{v['trace']}`: the {v['requests']} requests arriving in the first {v['duration_s']:.0f} s, "
-             f"sent at their arrival times over one streaming gRPC connection; greedy, ignore_eos. "
+             f"Trace `{v['trace']}`: the {v['requests']} requests arriving from {v.get('start_s', 0):.0f} s to "
+             f"{v.get('start_s', 0) + v['duration_s']:.0f} s, sent at their arrival times over one streaming gRPC "
+             f"connection; greedy, ignore_eos; first, {v.get('warm_up_requests', 2)} warm-up prompts (those before "
+             f"the window, the window's first, a short one; 4 tokens each) on both the server and the simulator. "
              f"Predictions are simulations of exactly these requests. Load average (1, 5, 15 min before; after): "
              f"chosen {summary['measured'].get('load_average')}, default "
              f"{summary['default_measured'].get('load_average')}.", "",
@@ -218,6 +221,12 @@ def verify_report(summary: dict, out: Path) -> None:
               f"chosen **{'held' if v['sla_held'] else 'missed'}**, default "
               f"**{'held' if v['default_sla_held'] else 'missed'}** (measured).", ""]
     (out / "verify.md").write_text("\n".join(lines) + "\n")
+
+
+def _scales(scale) -> str:
+    if isinstance(scale, dict):
+        return ", ".join(f"{v:g} at {t} thread(s)" for t, v in sorted(scale.items()))
+    return f"{scale:g}"
 
 
 def _err(pred, meas) -> str:

@@ -159,3 +159,24 @@ def test_refresh_keeps_values_and_header_when_llm_config_changes(repo):
     text = path.read_text()
     assert tune_config.differences(source.read_text(), text) == {"max_num_seqs": ("64", "12")}
     assert text.startswith("# Tuned by perf/tune.py test\n# line 2\n") and "# a new comment" in text
+
+
+def test_server_scale_records_the_verified_step_factor_per_thread_count_and_scales_every_step(tmp_path):
+    cost_path = _cost_json(tmp_path / "cost.json", COEF)
+    runs = []
+    for name, used, ratios in (("a", {"chosen": 1.0, "default": 1.0}, {"chosen": 0.9, "default": 1.2}),
+                               ("b", {"chosen": 1.0, "default": 1.1}, {"chosen": 1.0, "default": 1.2})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(
+            {"verification": {"server_step_scale_used": used, "step_time_ratio": ratios,
+                              "threads": {"chosen": 1, "default": 2}}}))
+        runs.append(str(tmp_path / name))
+    assert tune.main(["server-scale", "--cost", str(cost_path), *runs]) == 0
+    cost = CostModel.load(cost_path)
+    # ratios to the engine alone: 1 thread 0.9 and 1.0; 2 threads 1.2 and 1.2 x 1.1
+    assert cost.server_scale_for(1) == pytest.approx(0.95, abs=1e-3)
+    assert cost.server_scale_for(2) == pytest.approx((1.2 + 1.32) / 2, abs=1e-3)
+    one_row = [(type("Seq", (), {"num_computed_tokens": 10, "token_ids": list(range(11))})(), 1)]
+    for threads in (1, 2):
+        engine = cost.step_seconds(threads, scale=1.0)(one_row)
+        assert cost.step_seconds(threads)(one_row) == pytest.approx(cost.server_scale_for(threads) * engine)

@@ -53,6 +53,18 @@ def test_idle_time_is_skipped_to_the_next_arrival():
     assert res.figures["span_s"] == pytest.approx(5.1)
 
 
+def test_warm_up_requests_fill_the_prefix_cache_and_count_in_no_figure():
+    """verify's warm-up: served first, off the clock; the trace's request then finds its prompt's full blocks."""
+    prompt = list(range(12))  # three full blocks of 4
+    res = simulate([SimRequest(0.0, prompt, 2)], opts(), constant(0.1), KV, record_steps=True,
+                   warm=[SimRequest(0.0, prompt, 4)])
+    f = res.figures
+    # the first two blocks come from the cache (the engine computes the last block of a fully cached prompt)
+    assert [s.scheduled for s in res.steps] == [[("0", 4)], [("0", 1)]]
+    assert f["requests_done"] == 1 and f["output_tokens"] == 2 and f["steps"] == 2
+    assert f["ttft_p99_ms"] == pytest.approx(100) and f["prefill_tokens_saved"] == 8
+
+
 def test_step_cost_grows_with_the_tokens_it_schedules():
     reqs = [SimRequest(0.0, list(range(10)), 2), SimRequest(0.0, list(range(50, 60)), 2)]
     f = simulate(reqs, opts(), constant(0.01, 0.001), KV).figures
