@@ -15,6 +15,7 @@ import json
 import os
 import time
 
+import inflight  # noqa: F401, I001 - first: it sets OMP_WAIT_POLICY before torch loads OpenMP, as served
 import torch
 from torch.profiler import ProfilerActivity, profile
 

@@ -208,6 +208,7 @@ def cmd_refit(args) -> int:
 
 
 def cmd_calibrate_worker(args) -> int:
+    import inflight  # noqa: F401 - before torch: the OpenMP wait policy the server runs with (inflight sets it)
     import torch
 
     from tune_calibrate import FULL_GRID, QUICK_GRID, calibrate
