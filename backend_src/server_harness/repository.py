@@ -25,6 +25,14 @@ def load_config(path: Path) -> mc.ModelConfig:
     return text_format.Parse(path.read_text(), mc.ModelConfig())
 
 
+
+def instances(count: int) -> Callable[[mc.ModelConfig], None]:
+    """A copy_model `edit`: every instance group of the model gets `count` instances (engines)."""
+    def edit(config: mc.ModelConfig) -> None:
+        for group in config.instance_group:
+            group.count = count
+    return edit
+
 def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = None,
                params: Mapping[str, object] | None = None,
                edit: Callable[[mc.ModelConfig], None] | None = None) -> Path:

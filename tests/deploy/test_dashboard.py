@@ -17,7 +17,7 @@ import pytest
 
 from server_harness.load import traffic
 from server_harness.prometheus import alert_queries, as_bool, panel_queries, resolve, run_prometheus, scrape_config
-from server_harness.repository import build_repository, copy_model
+from server_harness.repository import build_repository, copy_model, instances
 from server_harness.server import TritonServer, free_ports
 from server_harness.stream_client import StreamClient
 
@@ -29,11 +29,6 @@ ALERTS = ROOT / "docker" / "prometheus" / "alerts.yml"
 RATE_INTERVAL = "1m"  # covers the whole load below
 
 
-def two_instances(config) -> None:
-    for group in config.instance_group:
-        group.count = 2
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """(server, prometheus) after the load; both still running while the tests query."""
@@ -41,7 +36,7 @@ def live(tmp_path_factory):
     source = ROOT / "model_repository"
     repo = build_repository(source, work / "model_repository", {"model": str(TINY)}, max_batch_size=8,
                             max_queue_delay_us=50_000)
-    copy_model(source, "llm", repo, edit=two_instances,
+    copy_model(source, "llm", repo, edit=instances(2),
                params={"model": str(TINY), "num_kv_blocks": "12", "max_num_seqs": "2", "max_queue_size": "2",
                        "enable_test_hooks": "true"})
     with TritonServer(repo, log_path=work / "server.log", env={"OMP_NUM_THREADS": "1"}) as server:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server_harness.repository import build_repository, copy_model
+from server_harness.repository import build_repository, copy_model, instances
 from server_harness.server import TritonServer
 from server_harness.stream_client import StreamClient
 
@@ -22,17 +22,12 @@ INSTANCES = ("llm_0_0", "llm_0_1")  # Triton's names: <group name = model_index>
 SAMPLE = re.compile(r'^(?P<name>[\w:]+)\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
 
-def two_instances(config) -> None:
-    for group in config.instance_group:
-        group.count = 2
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("instances")
     source = ROOT / "model_repository"
     repo = build_repository(source, work / "model_repository", {"model": str(TINY)})
-    copy_model(source, "llm", repo, params={"model": str(TINY), "metrics_interval_ms": "200"}, edit=two_instances)
+    copy_model(source, "llm", repo, params={"model": str(TINY), "metrics_interval_ms": "200"}, edit=instances(2))
     with TritonServer(repo, log_path=work / "server.log") as srv:
         yield srv
     assert srv.leftovers() == []

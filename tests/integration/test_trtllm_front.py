@@ -103,18 +103,12 @@ def test_a_feature_we_lack_is_refused_by_name(server):
 
 
 def test_plain_infer_over_http_on_the_unary_model(server):
-    client = httpclient.InferenceServerClient(server.http_url)
     prompts = ["The capital of France is", "Hello"]
-    inputs = []
-    for name, array in {"text_input": np.array([[p] for p in prompts]).astype(object),
-                        "max_tokens": np.full((2, 1), 5, dtype=np.int32),
-                        "bad_words": np.array([[""], [""]]).astype(object),
-                        "stop_words": np.array([[""], [""]]).astype(object)}.items():
-        t = httpclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        inputs.append(t)
-    result = client.infer("ensemble_unary", inputs, outputs=[httpclient.InferRequestedOutput("text_output")])
+    result = http_infer(server, "ensemble_unary", {"text_input": np.array([[p] for p in prompts]).astype(object),
+                                                   "max_tokens": np.full((2, 1), 5, dtype=np.int32),
+                                                   "bad_words": np.array([[""], [""]]).astype(object),
+                                                   "stop_words": np.array([[""], [""]]).astype(object)},
+                        outputs=["text_output"])
     texts = [t.decode() for t in result.as_numpy("text_output")]
     assert len(texts) == 2 and all(texts)  # sampled at temperature 1: non-empty; the streaming test compares
 
