@@ -70,8 +70,8 @@ async def direct_one(client, model: str, prompt: str, max_tokens: int) -> Sample
             first = first or now
             last = now
         num_tokens += int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-        if result.as_numpy("finish_reason") is not None:
-            break
+        # Every response carries finish_reason ("None" until the last). Read on to the end of the stream
+        # rather than break at the final: cancelling a finished stream holds the model up at shutdown.
     return _sample(t0, first, last, num_tokens)
 
 

@@ -89,7 +89,9 @@ async def grpc_stream(url: str, model: str, prompt: str, **values: Any) -> tuple
             if reason is not None and reason.reshape(-1)[0] != b"None":  # "None" until the last response
                 final = {"finish_reason": reason.reshape(-1)[0].decode(),
                          "num_input_tokens": int(result.as_numpy("num_input_tokens").reshape(-1)[0])}
-                break
+            # No break at the final response: read on to the server's end of stream, which follows at once.
+            # Closing the client before it came would cancel a finished stream, and Triton 2.51 then keeps
+            # the model referenced until shutdown, which waits out its whole exit timeout.
     finally:
         await client.close()
     return deltas, final
