@@ -11,6 +11,7 @@ import torch
 from . import attention
 from .attention import AttentionMetadata
 from .config import EngineConfig
+from .cpu_threads import ThreadGovernor, governor_choice
 from .cuda_graphs import StaticDecode
 from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
@@ -58,6 +59,9 @@ class ModelRunner:
                     self.enable_static_decode(capture=True)
                 else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
                     log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
+        # On CPU: fewer OpenMP threads while other processes hold our cores (cpu_threads.py).
+        self.governor = (ThreadGovernor(torch.get_num_threads(), len(os.sched_getaffinity(0)), torch.set_num_threads)
+                         if self.device.type == "cpu" and governor_choice() else None)
         log.info("model %s: %d layers, KV cache %d blocks of %d tokens (%s, %s)", config.model,
                  self.model_config.num_layers, self.num_blocks, config.block_size, self.dtype, self.device)
 
@@ -166,6 +170,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]):
         """Run one forward; returns (logits [rows, vocab] float32, the sequences those rows belong to)."""
+        if self.governor is not None:
+            self.governor.before_step()
         static = self.static_decode
         if static is not None and static.fits(scheduled):
             prepare, forward = static.prepare, static.forward

@@ -1,0 +1,114 @@
+"""Run the CPU forward at full OpenMP width while the cores are ours, at fewer threads while other processes
+keep them busy.
+
+Why: each decode step runs ~150 OpenMP parallel regions (one per linear). Threads that sleep between regions
+pay a wake-up at each one, which on this project's 2-core machine cost a third of a step and made the second
+core almost useless (1.06x over one thread); threads that spin a little (GOMP_SPINCOUNT, set in
+inflight/__init__.py) scale 1.44x. But spinning threads collapse when another process wants one of their
+cores: every region then waits for a descheduled thread (1.5x slower than one thread, SmolLM2, one core
+hogged). A team of one thread has no barrier to wait at, so under contention it is as fast as sleeping
+threads were. This governor samples, once a second, how much of the engine's cores other processes used
+(/proc/stat, minus this process's own time) and sets the torch thread count to the cores left over:
+down at once when they shrink, back up only after a few quiet samples. Thread counts do not change results:
+the linears give bitwise-equal outputs at 1 and 2 threads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+GOVERNOR_ENV = "INFLIGHT_CPU_GOVERNOR"
+
+
+def governor_choice() -> bool:
+    """INFLIGHT_CPU_GOVERNOR: 1 (default) adapts the thread count to the cores left over; 0 keeps it fixed."""
+    choice = os.environ.get(GOVERNOR_ENV, "1").strip() or "1"
+    if choice not in ("0", "1"):
+        raise ValueError(f"{GOVERNOR_ENV}={choice!r} is not one of 0, 1")
+    return choice == "1"
+
+
+def _cpu_ticks(cpus: Iterable[int], proc_stat: str = "/proc/stat") -> int:
+    """Busy clock ticks (everything but idle and iowait; steal counts: the hypervisor took the core) of the given
+    CPUs since boot."""
+    wanted = {f"cpu{i}" for i in cpus}
+    busy = 0
+    with open(proc_stat) as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] in wanted:
+                values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+                busy += sum(values) - values[3] - values[4]
+    return busy
+
+
+def _own_ticks(stat_path: str = "/proc/self/stat") -> int:
+    """This process's user + system clock ticks, all threads."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+
+
+def read_usage() -> tuple[int, int]:
+    """(busy ticks of the CPUs this process may run on, this process's ticks)."""
+    return _cpu_ticks(os.sched_getaffinity(0)), _own_ticks()
+
+
+class ThreadGovernor:
+    """Call before_step() on the thread that runs the forward (OpenMP's thread count is per calling thread)."""
+
+    def __init__(self, full_threads: int, num_cores: int, set_threads: Callable[[int], None],
+                 usage: Callable[[], tuple[int, int]] = read_usage, clock: Callable[[], float] = time.monotonic,
+                 ticks_per_s: float = float(os.sysconf("SC_CLK_TCK")), period_s: float = 1.0, quiet_samples: int = 3):
+        self.full = full_threads
+        self.num_cores = num_cores
+        self.threads = full_threads
+        self._set_threads = set_threads
+        self._usage = usage
+        self._clock = clock
+        self._ticks_per_s = ticks_per_s
+        self.period_s = period_s
+        self.quiet_samples = quiet_samples
+        self._quiet = 0
+        self._last: tuple[float, int, int] | None = None
+        self.changes = 0
+
+    def others_cores(self) -> float | None:
+        """Cores' worth of time other processes took on our CPUs since the last sample (None at the first)."""
+        now = self._clock()
+        busy, own = self._usage()
+        last, self._last = self._last, (now, busy, own)
+        if last is None or now <= last[0]:
+            return None
+        return max(0.0, (busy - last[1]) - (own - last[2])) / self._ticks_per_s / (now - last[0])
+
+    def before_step(self) -> None:
+        if self.full <= 1 or (self._last is not None and self._clock() - self._last[0] < self.period_s):
+            return
+        others = self.others_cores()
+        if others is None:
+            return
+        free = self.num_cores - others
+        if free < self.threads - 0.5:  # someone took a core from the team: shrink now
+            self._quiet = 0
+            self._apply(max(1, int(free + 0.5)), others)
+        elif self.threads < self.full and free >= self.threads + 0.75:  # a core came back: grow once it stays
+            self._quiet += 1
+            if self._quiet >= self.quiet_samples:
+                self._quiet = 0
+                self._apply(min(self.full, int(free + 0.25)), others)
+        else:
+            self._quiet = 0
+
+    def _apply(self, threads: int, others: float) -> None:
+        if threads == self.threads:
+            return
+        log.info("CPU threads %d -> %d: other processes used %.2f of %d cores", self.threads, threads, others,
+                 self.num_cores)
+        self.threads = threads
+        self.changes += 1
+        self._set_threads(threads)

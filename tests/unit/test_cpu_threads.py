@@ -1,0 +1,129 @@
+"""inflight.cpu_threads: the CPU forward's thread count follows the cores other processes leave free."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from inflight.cpu_threads import GOVERNOR_ENV, ThreadGovernor, _cpu_ticks, _own_ticks, governor_choice, read_usage
+
+TICKS = 100.0  # per second
+
+
+class FakeHost:
+    """A 2-core host: each tick() advances 1 s, with `ours` and `others` cores' worth of busy time."""
+
+    def __init__(self):
+        self.now, self.busy, self.own = 0.0, 0, 0
+        self.reads = 0
+        self.set_calls: list[int] = []
+
+    def tick(self, ours: float, others: float, seconds: float = 1.0) -> None:
+        self.now += seconds
+        self.own += int(ours * TICKS * seconds)
+        self.busy += int((ours + others) * TICKS * seconds)
+
+    def usage(self):
+        self.reads += 1
+        return self.busy, self.own
+
+    def governor(self, full: int = 2) -> ThreadGovernor:
+        return ThreadGovernor(full, 2, self.set_calls.append, usage=self.usage, clock=lambda: self.now,
+                              ticks_per_s=TICKS, period_s=1.0, quiet_samples=3)
+
+
+def test_a_quiet_host_keeps_every_thread():
+    host = FakeHost()
+    gov = host.governor()
+    for _ in range(10):
+        gov.before_step()
+        host.tick(ours=2.0, others=0.1)
+    assert gov.threads == 2 and host.set_calls == []
+
+
+def test_another_process_on_a_core_drops_to_one_thread_at_once_and_quiet_brings_it_back_slowly():
+    host = FakeHost()
+    gov = host.governor()
+    gov.before_step()  # first sample: nothing to compare yet
+    host.tick(ours=1.0, others=1.0)  # a busy loop elsewhere took a core
+    gov.before_step()
+    assert gov.threads == 1 and host.set_calls == [1]
+    for _ in range(2):  # quiet, but not for long enough
+        host.tick(ours=1.0, others=0.1)
+        gov.before_step()
+    assert gov.threads == 1
+    host.tick(ours=1.0, others=0.6)  # busy again: the quiet count starts over
+    gov.before_step()
+    for _ in range(2):
+        host.tick(ours=1.0, others=0.1)
+        gov.before_step()
+    assert gov.threads == 1
+    host.tick(ours=1.0, others=0.1)  # the third quiet sample in a row
+    gov.before_step()
+    assert gov.threads == 2 and host.set_calls == [1, 2] and gov.changes == 2
+
+
+def test_a_little_background_work_is_not_contention():
+    host = FakeHost()
+    gov = host.governor()
+    gov.before_step()
+    host.tick(ours=1.8, others=0.4)  # tritonserver's threads, a load client: 0.4 of a core
+    gov.before_step()
+    assert gov.threads == 2
+
+
+def test_it_samples_at_most_once_a_period_and_not_at_all_with_one_thread():
+    host = FakeHost()
+    gov = host.governor()
+    gov.before_step()
+    for _ in range(50):  # many steps within one second
+        host.tick(ours=2.0, others=1.5, seconds=0.01)
+        gov.before_step()
+    assert host.reads == 1 and gov.threads == 2
+    host.tick(ours=2.0, others=1.5, seconds=0.5)
+    gov.before_step()
+    assert host.reads == 2 and gov.threads == 1
+    single = FakeHost()
+    one = single.governor(full=1)
+    for _ in range(5):
+        single.tick(ours=1.0, others=1.0)
+        one.before_step()
+    assert single.reads == 0 and single.set_calls == []
+
+
+def test_proc_files_are_parsed(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 5 0 0 0 0 0\n"
+                    "cpu0 10 1 5 400 2 1 1 3 0 0\n"
+                    "cpu1 90 0 45 600 3 0 0 0 0 0\n"
+                    "intr 12345\n")
+    assert _cpu_ticks([0], str(stat)) == 10 + 1 + 5 + 1 + 1 + 3  # idle and iowait left out, steal counted
+    assert _cpu_ticks([0, 1], str(stat)) == 21 + 135
+    own = tmp_path / "self_stat"
+    # The command name may hold spaces and parentheses: fields are counted after its last ')'.
+    own.write_text("42 (a (b) c) S 1 42 42 0 -1 4194304 100 0 0 0 70 30 0 0 20 0 5 0 100 0 0\n")
+    assert _own_ticks(str(own)) == 100
+    busy, mine = read_usage()
+    assert busy >= 0 and mine >= 0
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.delenv(GOVERNOR_ENV, raising=False)
+    assert governor_choice() is True
+    monkeypatch.setenv(GOVERNOR_ENV, "0")
+    assert governor_choice() is False
+    monkeypatch.setenv(GOVERNOR_ENV, "yes")
+    with pytest.raises(ValueError, match=GOVERNOR_ENV):
+        governor_choice()
+
+
+def test_cpu_engines_get_a_governor_and_the_switch_removes_it(monkeypatch):
+    from engine_helpers import TINY
+    from inflight import EngineConfig
+    from inflight.model_runner import ModelRunner
+    config = EngineConfig(model=TINY, num_kv_blocks=16)
+    monkeypatch.delenv(GOVERNOR_ENV, raising=False)
+    runner = ModelRunner(config)
+    assert runner.governor is not None and runner.governor.num_cores == len(os.sched_getaffinity(0))
+    monkeypatch.setenv(GOVERNOR_ENV, "0")
+    assert ModelRunner(config).governor is None
