@@ -1,21 +1,27 @@
-"""Run the CPU forward at full OpenMP width while the cores are ours, at fewer threads while other processes
-keep them busy.
+"""Which thread runs the CPU forward's OpenMP teams, and how wide: full width while the cores are ours, fewer
+threads while other processes keep them busy.
 
-Why: each decode step runs ~150 OpenMP parallel regions (one per linear). Threads that sleep between regions
-pay a wake-up at each one, which on this project's 2-core machine cost a third of a step and made the second
-core almost useless (1.06x over one thread); threads that spin a little (GOMP_SPINCOUNT, set in
-inflight/__init__.py) scale 1.44x. But spinning threads collapse when another process wants one of their
-cores: every region then waits for a descheduled thread (1.5x slower than one thread, SmolLM2, one core
-hogged). A team of one thread has no barrier to wait at, so under contention it is as fast as sleeping
-threads were. This governor samples, once a second, how much of the engine's cores other processes used
-(/proc/stat, minus this process's own time) and sets the torch thread count to the cores left over:
-down at once when they shrink, back up only after a few quiet samples. Thread counts do not change results:
-the linears give bitwise-equal outputs at 1 and 2 threads.
+One thread only. libgomp keeps a pool of worker threads per thread that starts a team, and once it manages
+more threads than there are CPUs it cuts every wait's spin to a few rounds. A served engine loads its model in
+Triton's stub thread and steps in its own loop thread: two pools, so its threads slept between regions
+whatever GOMP_SPINCOUNT said (SmolLM2, one row: 52 ms a step from the loop thread against 39 from the thread
+that loaded it). So the model loads at one thread (no team, no pool) and the first step sets the chosen width
+on the thread that steps.
+
+Width. Each decode step runs ~150 parallel regions (one per linear). Threads that sleep between regions pay a
+wake-up at each: a third of an idle machine's step, and the second core bought 1.06x. Threads that spin a
+little (GOMP_SPINCOUNT, set in inflight/__init__.py) scale 1.44x, but collapse when another process wants one
+of their cores: every region then waits for a descheduled thread (1.5x slower than one thread, one core
+hogged). A team of one has no barrier to wait at. So, when adaptive, this samples once a second how much of
+the engine's cores other processes used (/proc/stat, minus this process's own time) and sets the width to the
+cores left over: down at once, back up only after a few quiet samples. The width does not change results: the
+linears give bitwise-equal outputs at 1 and 2 threads.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -59,12 +65,15 @@ def read_usage() -> tuple[int, int]:
 
 
 class ThreadGovernor:
-    """Call before_step() on the thread that runs the forward (OpenMP's thread count is per calling thread)."""
+    """Call before_step() on the thread that runs the forward: OpenMP's thread count belongs to the calling
+    thread, so the width is (re)applied whenever the stepping thread changes."""
 
-    def __init__(self, full_threads: int, num_cores: int, set_threads: Callable[[int], None],
+    def __init__(self, full_threads: int, num_cores: int, set_threads: Callable[[int], None], adaptive: bool = True,
                  usage: Callable[[], tuple[int, int]] = read_usage, clock: Callable[[], float] = time.monotonic,
                  ticks_per_s: float = float(os.sysconf("SC_CLK_TCK")), period_s: float = 1.0, quiet_samples: int = 3):
         self.full = full_threads
+        self.adaptive = adaptive
+        self._stepping_thread: int | None = None
         self.num_cores = num_cores
         self.threads = full_threads
         self._set_threads = set_threads
@@ -87,7 +96,11 @@ class ThreadGovernor:
         return max(0.0, (busy - last[1]) - (own - last[2])) / self._ticks_per_s / (now - last[0])
 
     def before_step(self) -> None:
-        if self.full <= 1 or (self._last is not None and self._clock() - self._last[0] < self.period_s):
+        if threading.get_ident() != self._stepping_thread:
+            self._stepping_thread = threading.get_ident()
+            self._set_threads(self.threads)
+        if not self.adaptive or self.full <= 1 or (
+                self._last is not None and self._clock() - self._last[0] < self.period_s):
             return
         others = self.others_cores()
         if others is None:

@@ -44,6 +44,13 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
+        # On CPU the stepping thread alone runs OpenMP teams: loading runs at one thread, and the first step sets
+        # the thread count chosen here (by the operator or the instance placement). See cpu_threads.py.
+        self.governor = (ThreadGovernor(torch.get_num_threads(), len(os.sched_getaffinity(0)), torch.set_num_threads,
+                                        adaptive=governor_choice())
+                         if self.device.type == "cpu" else None)
+        if self.governor is not None:
+            torch.set_num_threads(1)
         # Sized from device memory, the pool is measured against what this engine uses, so loading, sizing and
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
@@ -59,9 +66,6 @@ class ModelRunner:
                     self.enable_static_decode(capture=True)
                 else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
                     log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
-        # On CPU: fewer OpenMP threads while other processes hold our cores (cpu_threads.py).
-        self.governor = (ThreadGovernor(torch.get_num_threads(), len(os.sched_getaffinity(0)), torch.set_num_threads)
-                         if self.device.type == "cpu" and governor_choice() else None)
         log.info("model %s: %d layers, KV cache %d blocks of %d tokens (%s, %s)", config.model,
                  self.model_config.num_layers, self.num_blocks, config.block_size, self.dtype, self.device)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_a_quiet_host_keeps_every_thread():
     for _ in range(10):
         gov.before_step()
         host.tick(ours=2.0, others=0.1)
-    assert gov.threads == 2 and host.set_calls == []
+    assert gov.threads == 2 and host.set_calls == [2]  # applied once, on the stepping thread
 
 
 def test_another_process_on_a_core_drops_to_one_thread_at_once_and_quiet_brings_it_back_slowly():
@@ -47,7 +48,7 @@ def test_another_process_on_a_core_drops_to_one_thread_at_once_and_quiet_brings_
     gov.before_step()  # first sample: nothing to compare yet
     host.tick(ours=1.0, others=1.0)  # a busy loop elsewhere took a core
     gov.before_step()
-    assert gov.threads == 1 and host.set_calls == [1]
+    assert gov.threads == 1 and host.set_calls == [2, 1]
     for _ in range(2):  # quiet, but not for long enough
         host.tick(ours=1.0, others=0.1)
         gov.before_step()
@@ -60,7 +61,7 @@ def test_another_process_on_a_core_drops_to_one_thread_at_once_and_quiet_brings_
     assert gov.threads == 1
     host.tick(ours=1.0, others=0.1)  # the third quiet sample in a row
     gov.before_step()
-    assert gov.threads == 2 and host.set_calls == [1, 2] and gov.changes == 2
+    assert gov.threads == 2 and host.set_calls == [2, 1, 2] and gov.changes == 2
 
 
 def test_a_little_background_work_is_not_contention():
@@ -88,7 +89,21 @@ def test_it_samples_at_most_once_a_period_and_not_at_all_with_one_thread():
     for _ in range(5):
         single.tick(ours=1.0, others=1.0)
         one.before_step()
-    assert single.reads == 0 and single.set_calls == []
+    assert single.reads == 0 and single.set_calls == [1]
+
+
+def test_the_width_is_applied_on_whichever_thread_steps_and_fixed_when_not_adaptive():
+    host = FakeHost()
+    gov = ThreadGovernor(2, 2, host.set_calls.append, adaptive=False, usage=host.usage, clock=lambda: host.now,
+                         ticks_per_s=TICKS)
+    gov.before_step()
+    gov.before_step()
+    worker = threading.Thread(target=gov.before_step)  # the engine moved to another thread: apply it there too
+    worker.start()
+    worker.join()
+    host.tick(ours=1.0, others=1.5)
+    gov.before_step()  # back on this thread: applied again; contention is not looked at
+    assert host.set_calls == [2, 2, 2] and host.reads == 0 and gov.threads == 2
 
 
 def test_proc_files_are_parsed(tmp_path):
@@ -117,13 +132,22 @@ def test_the_switch(monkeypatch):
         governor_choice()
 
 
-def test_cpu_engines_get_a_governor_and_the_switch_removes_it(monkeypatch):
+def test_a_cpu_runner_loads_at_one_thread_and_its_first_step_sets_the_width(monkeypatch):
+    """Loading must not start an OpenMP team: the thread that steps is to be the only one that does."""
+    import torch
+
     from engine_helpers import TINY
-    from inflight import EngineConfig
-    from inflight.model_runner import ModelRunner
-    config = EngineConfig(model=TINY, num_kv_blocks=16)
+    from inflight import LLM, SamplingParams
+    before = torch.get_num_threads()
     monkeypatch.delenv(GOVERNOR_ENV, raising=False)
-    runner = ModelRunner(config)
-    assert runner.governor is not None and runner.governor.num_cores == len(os.sched_getaffinity(0))
-    monkeypatch.setenv(GOVERNOR_ENV, "0")
-    assert ModelRunner(config).governor is None
+    try:
+        llm = LLM(TINY, num_kv_blocks=16)
+        gov = llm.engine.runner.governor
+        assert gov is not None and gov.adaptive and gov.full == before and gov.num_cores == len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == 1  # after loading, before any step
+        llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert torch.get_num_threads() == gov.threads
+        monkeypatch.setenv(GOVERNOR_ENV, "0")
+        assert not LLM(TINY, num_kv_blocks=16).engine.runner.governor.adaptive
+    finally:
+        torch.set_num_threads(before)
