@@ -72,10 +72,10 @@ class ThreadGovernor:
                  usage: Callable[[], tuple[int, int]] = read_usage, clock: Callable[[], float] = time.monotonic,
                  ticks_per_s: float = float(os.sysconf("SC_CLK_TCK")), period_s: float = 1.0, quiet_samples: int = 3):
         self.full = full_threads
-        self.adaptive = adaptive
-        self._stepping_thread: int | None = None
         self.num_cores = num_cores
         self.threads = full_threads
+        self.adaptive = adaptive
+        self._stepping_thread: int | None = None
         self._set_threads = set_threads
         self._usage = usage
         self._clock = clock
