@@ -131,23 +131,16 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
                 continue
             stem = work / f"{workload.name}-c{concurrency}-{arm}-r{r}"
             input_data = part.write_input_data(stem.with_suffix(".input.json"))
-            before = ab_tools.dynamic_batch_counts(server.metrics_url) if arm == "dynamic" else {}
-            steps_before = ab_tools.inflight_step_totals(server.metrics_url) if arm == "inflight" else {}
-            try:
-                ab_tools.perf_analyzer(cell.model, server.grpc_url, input_data, concurrency, len(part.requests),
-                                       stem.with_suffix(".export.json"), timeout_s)
-                exports[arm].append(load_profile(stem.with_suffix(".export.json")))
-            except (ab_tools.ToolError, ValueError, OSError) as e:
-                cell.error = str(e)
-            if arm == "dynamic":
-                after = ab_tools.dynamic_batch_counts(server.metrics_url)
-                for size, count in ab_tools.batch_delta(before, after).items():
-                    cell.batches[size] = cell.batches.get(size, 0) + count
-            else:
-                time.sleep(1.2)  # the engine's metrics reach /metrics once a second
-                after = ab_tools.inflight_step_totals(server.metrics_url)
-                for key, value in after.items():
-                    cell.steps[key] = cell.steps.get(key, 0.0) + value - steps_before[key]
+            for attempt in (1, 2):
+                try:
+                    exports[arm].append(_measure(server, cell, input_data, len(part.requests), stem, timeout_s))
+                    break
+                except ab_tools.EmptyExport as e:
+                    if attempt == 2:
+                        cell.error = str(e)
+                except (ab_tools.ToolError, ValueError, OSError) as e:
+                    cell.error = str(e)
+                    break
     for arm, cell in cells.items():
         if not cell.error:
             try:
@@ -155,6 +148,27 @@ def run_pair(server: TritonServer, workload: ab_workloads.Workload, concurrency:
             except ValueError as e:
                 cell.error = str(e)
     return cells
+
+
+def _measure(server: TritonServer, cell: Cell, input_data: Path, request_count: int, stem: Path,
+             timeout_s: float) -> list:
+    """One perf_analyzer run of one arm; adds the run's batch sizes (dynamic) or engine steps (in-flight) to
+    the cell only once the run's export has been read, so a rerun does not count a failed run's work."""
+    dynamic = cell.arm == "dynamic"
+    before = ab_tools.dynamic_batch_counts(server.metrics_url) if dynamic else ab_tools.inflight_step_totals(server.metrics_url)
+    ab_tools.perf_analyzer(cell.model, server.grpc_url, input_data, cell.concurrency, request_count,
+                           stem.with_suffix(".export.json"), timeout_s)
+    timings = load_profile(stem.with_suffix(".export.json"))
+    if dynamic:
+        after = ab_tools.dynamic_batch_counts(server.metrics_url)
+        for size, count in ab_tools.batch_delta(before, after).items():
+            cell.batches[size] = cell.batches.get(size, 0) + count
+    else:
+        time.sleep(1.2)  # the engine's metrics reach /metrics once a second
+        after = ab_tools.inflight_step_totals(server.metrics_url)
+        for key, value in after.items():
+            cell.steps[key] = cell.steps.get(key, 0.0) + value - before[key]
+    return timings
 
 
 def _batcher_line(repo: Path) -> str:

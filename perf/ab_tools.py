@@ -21,6 +21,11 @@ class ToolError(RuntimeError):
     """A tool failed or timed out; the message carries the command's exit status and output tail."""
 
 
+class EmptyExport(ToolError):
+    """perf_analyzer exited 0 after printing its results but left its profile export empty (seen once in
+    CI with 2.51's client); the cell is worth one rerun."""
+
+
 def _run(cmd: list[str], timeout_s: float, log_path: Path, env: dict[str, str] | None = None) -> None:
     # `timeout` as well as our own limit: perf_analyzer waits forever when the server dies.
     full = ["timeout", "--kill-after=10", str(int(timeout_s)), *cmd]
@@ -49,6 +54,8 @@ def perf_analyzer(model: str, grpc_url: str, input_data: Path, concurrency: int,
           "--request-count", str(request_count), "--max-threads", "1",
           "--profile-export-file", str(export_path)],
          timeout_s, export_path.with_suffix(".log"))
+    if not export_path.exists() or export_path.stat().st_size == 0:
+        raise EmptyExport(f"perf_analyzer exited 0 but left {export_path} empty (log {export_path.with_suffix('.log')})")
 
 
 def genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, concurrency: int, request_count: int,
