@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from inflight.model import linear as linear_mod
-from inflight.model.linear import GEMM_ENV, Linear, cpu_gemm_choice, select_cpu_gemm
+from inflight.model.linear import GEMM_ENV, GEMV_ROWS_ENV, Linear, cpu_gemm_choice, gemv_rows, select_cpu_gemm
 
 needs_onednn = pytest.mark.skipif(linear_mod._ONEDNN is None, reason="this torch build has no oneDNN linear")
 
@@ -37,7 +37,8 @@ def test_three_dim_input_keeps_its_shape():
 
 
 @needs_onednn
-def test_packing_releases_the_dense_weight_but_not_a_shared_one():
+def test_packing_releases_the_dense_weight_but_not_a_shared_one(monkeypatch):
+    monkeypatch.setenv(GEMV_ROWS_ENV, "0")  # no few-row BLAS path: nothing needs the dense weight
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(50, 8)
     model.head = Linear(8, 50, bias=False)
@@ -62,3 +63,43 @@ def test_float16_on_cpu_stays_on_blas():
     layer = Linear(8, 4).half()
     assert select_cpu_gemm(layer, torch.device("cpu"), torch.float16) == "blas"
     assert layer.packed_weight is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_few_rows_take_blas_on_the_kept_dense_weight_and_more_rows_onednn(monkeypatch, rows):
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=True)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
+    assert layer.gemv_rows == 3 and torch.equal(layer.weight, weight)  # kept beside the packed copy
+    x = torch.randn(rows, 96)
+    called = []
+    real = linear_mod._ONEDNN
+    monkeypatch.setattr(linear_mod, "_ONEDNN", lambda *a: called.append(1) or real(*a))
+    with torch.inference_mode():
+        out = layer(x)
+    assert bool(called) == (rows > 3)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_dense_weights_are_released_when_they_would_not_fit_the_memory_budget(monkeypatch, caplog):
+    monkeypatch.setattr(linear_mod, "_available_memory_bytes", lambda: 4 * 200 * 96 * 4 - 4)  # a quarter < 1 weight
+    layer = Linear(96, 200, bias=False)
+    select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
+    assert layer.gemv_rows == 0 and layer.weight.numel() == 0 and layer.packed_weight is not None
+    assert GEMV_ROWS_ENV in caplog.text and "quarter of the memory available" in caplog.text
+
+
+def test_bfloat16_keeps_no_dense_copy():
+    layer = Linear(8, 4, bias=False).to(torch.bfloat16)
+    select_cpu_gemm(layer, torch.device("cpu"), torch.bfloat16)
+    assert layer.gemv_rows == 0
+
+
+@pytest.mark.parametrize("raw", ["-1", "65", "two"])
+def test_gemv_rows_out_of_range_names_the_variable_and_range(monkeypatch, raw):
+    monkeypatch.setenv(GEMV_ROWS_ENV, raw)
+    with pytest.raises(ValueError, match=f"{GEMV_ROWS_ENV}='{raw}' is not a whole number of rows in 0..64"):
+        gemv_rows()
