@@ -15,7 +15,7 @@ def run(env):
 
 def test_a_short_spin_by_default_and_the_operators_value_wins():
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    assert run(env) == "PASSIVE 10000"
+    assert run(env) == "PASSIVE 30000"
     assert run({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE None"
     assert run({**env, "OMP_WAIT_POLICY": "PASSIVE"}) == "PASSIVE None"
     assert run({**env, "GOMP_SPINCOUNT": "300"}) == "None 300"
