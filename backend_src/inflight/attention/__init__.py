@@ -39,12 +39,13 @@ def _triton():
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V ([tokens, kv_heads, head_dim]) into its cache slot; slot -1 is skipped."""
+             slot_mapping: torch.Tensor, plan: dict | None = None) -> None:
+    """Write each new token's K/V ([tokens, kv_heads, head_dim]) into its cache slot; slot -1 is skipped.
+    plan: the step's AttentionMetadata.reference_plan, where the torch reference keeps per-step work."""
     if _use_triton(key):
         _triton().triton_store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
-        _reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        _reference.store_kv(key, value, k_cache, v_cache, slot_mapping, plan)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -103,7 +103,7 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     meta = ctx.meta
     k_cache, v_cache = ctx.kv_caches[ctx.next_layer]
     ctx.next_layer += 1
-    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.reference_plan)
     starts, rows = reference.step_layout(meta)
     num_blocks, block_size = k_cache.shape[:2]
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])

@@ -8,19 +8,32 @@ from .metadata import AttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V ([tokens, kv_heads, head_dim]) into its cache slot; slot -1 is skipped."""
+             slot_mapping: torch.Tensor, plan: dict | None = None) -> None:
+    """Write each new token's K/V ([tokens, kv_heads, head_dim]) into its cache slot; slot -1 is skipped.
+    plan: the step's AttentionMetadata.reference_plan, to share per-step work across layers."""
     num_blocks, block_size = k_cache.shape[:2]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
+    valid = _valid_slots(slot_mapping, plan)
+    if valid is None:
         flat_k.index_copy_(0, slot_mapping, key)
         flat_v.index_copy_(0, slot_mapping, value)
     else:
         slots = slot_mapping[valid]
         flat_k.index_copy_(0, slots, key[valid])
         flat_v.index_copy_(0, slots, value[valid])
+
+
+def _valid_slots(slot_mapping: torch.Tensor, plan: dict | None) -> torch.Tensor | None:
+    """None when every token has a slot, else the mask of those that do; once per step when a plan is given
+    (the all() is a host sync, which every layer would otherwise pay)."""
+    if plan is not None and "valid_slots" in plan:
+        return plan["valid_slots"]
+    valid = slot_mapping >= 0
+    valid = None if bool(valid.all()) else valid
+    if plan is not None:
+        plan["valid_slots"] = valid
+    return valid
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -64,14 +64,15 @@ class Attention(nn.Module):
     def project_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim] and k, v [tokens, kv_heads, head_dim], RoPE applied to q and k."""
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        # q and k sit side by side in qkv, so one RoPE pass rotates both (half the ops of two passes).
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], v
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.reference_plan)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
