@@ -155,17 +155,18 @@ def _measure(server: TritonServer, cell: Cell, input_data: Path, request_count: 
     """One perf_analyzer run of one arm; adds the run's batch sizes (dynamic) or engine steps (in-flight) to
     the cell only once the run's export has been read, so a rerun does not count a failed run's work."""
     dynamic = cell.arm == "dynamic"
-    before = ab_tools.dynamic_batch_counts(server.metrics_url) if dynamic else ab_tools.inflight_step_totals(server.metrics_url)
+    counts = ab_tools.dynamic_batch_counts if dynamic else ab_tools.inflight_step_totals
+    before = counts(server.metrics_url)
     ab_tools.perf_analyzer(cell.model, server.grpc_url, input_data, cell.concurrency, request_count,
                            stem.with_suffix(".export.json"), timeout_s)
     timings = load_profile(stem.with_suffix(".export.json"))
     if dynamic:
-        after = ab_tools.dynamic_batch_counts(server.metrics_url)
+        after = counts(server.metrics_url)
         for size, count in ab_tools.batch_delta(before, after).items():
             cell.batches[size] = cell.batches.get(size, 0) + count
     else:
         time.sleep(1.2)  # the engine's metrics reach /metrics once a second
-        after = ab_tools.inflight_step_totals(server.metrics_url)
+        after = counts(server.metrics_url)
         for key, value in after.items():
             cell.steps[key] = cell.steps.get(key, 0.0) + value - before[key]
     return timings

@@ -55,7 +55,8 @@ def perf_analyzer(model: str, grpc_url: str, input_data: Path, concurrency: int,
           "--profile-export-file", str(export_path)],
          timeout_s, export_path.with_suffix(".log"))
     if not export_path.exists() or export_path.stat().st_size == 0:
-        raise EmptyExport(f"perf_analyzer exited 0 but left {export_path} empty (log {export_path.with_suffix('.log')})")
+        log_path = export_path.with_suffix(".log")
+        raise EmptyExport(f"perf_analyzer exited 0 but left {export_path} empty (log {log_path})")
 
 
 def genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, concurrency: int, request_count: int,

@@ -53,15 +53,16 @@ def main() -> None:
     shapes = model_shapes(ModelConfig.from_dir(args.model))
     dense = [torch.randn(out_f, in_f) for out_f, in_f in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in dense]
-    print(f"{len(shapes)} linears, {sum(w.numel() for w in dense) * 4 / 2**20:.0f} MB, {torch.get_num_threads()} threads")
+    megabytes = sum(w.numel() for w in dense) * 4 / 2**20
+    print(f"{len(shapes)} linears, {megabytes:.0f} MB, {torch.get_num_threads()} threads")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {n: torch.randn(rows, n) for n in {in_f for _, in_f in shapes}}
-            blas = median_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in dense], args.repeats)
-            onednn = median_ms(lambda: [_ONEDNN(xs[w.shape[1]], p, None, "none", [], "")
-                                        for w, p in zip(dense, packed)], args.repeats)
-            print(f"rows {rows:3d}: blas {blas:6.1f} ms, onednn {onednn:6.1f} ms -> {'blas' if blas < onednn else 'onednn'}",
-                  flush=True)
+            blas = median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense], args.repeats)
+            onednn = median_ms(lambda xs=xs: [_ONEDNN(xs[w.shape[1]], p, None, "none", [], "")
+                                              for w, p in zip(dense, packed)], args.repeats)
+            faster = "blas" if blas < onednn else "onednn"
+            print(f"rows {rows:3d}: blas {blas:6.1f} ms, onednn {onednn:6.1f} ms -> {faster}", flush=True)
 
 
 if __name__ == "__main__":

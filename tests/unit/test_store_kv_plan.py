@@ -9,7 +9,7 @@ def test_layers_sharing_a_plan_write_what_separate_calls_write_and_skip_minus_on
     blocks, block_size, heads, d = 4, 4, 2, 8
     slots = torch.tensor([3, -1, 9, 14])
     plan: dict = {}
-    for layer in range(3):  # one step, three layers, one plan
+    for _ in range(3):  # one step, three layers, one plan
         key, value = torch.randn(4, heads, d), torch.randn(4, heads, d)
         want_k, want_v = torch.zeros(blocks, block_size, heads, d), torch.zeros(blocks, block_size, heads, d)
         got_k, got_v = want_k.clone(), want_v.clone()
