@@ -12,6 +12,14 @@ from .config import ModelConfig
 from .linear import Linear
 
 
+class DirectCall(nn.Module):
+    """A module whose call goes straight to forward, past nn.Module's hook dispatch: a step makes ~270 module
+    calls, and the dispatch was 0.7 ms of a 30 ms one-row CPU step. Nothing registers hooks on this model."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies, with llama3's wavelength-dependent rescaling when the config asks for it."""
     dim = cfg.head_dim
@@ -30,7 +38,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -50,7 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class Attention(nn.Module):
+class Attention(DirectCall):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -77,7 +85,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(DirectCall):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -88,7 +96,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
