@@ -68,6 +68,7 @@ def test_float16_on_cpu_stays_on_blas():
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 4, 16])
 def test_few_rows_take_blas_on_the_kept_dense_weight_and_more_rows_onednn(monkeypatch, rows):
+    monkeypatch.setattr(linear_mod, "cpu_vendor", lambda: "GenuineIntel")
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=True)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -85,6 +86,7 @@ def test_few_rows_take_blas_on_the_kept_dense_weight_and_more_rows_onednn(monkey
 
 @needs_onednn
 def test_dense_weights_are_released_when_they_would_not_fit_the_memory_budget(monkeypatch, caplog):
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
     monkeypatch.setattr(linear_mod, "_available_memory_bytes", lambda: 4 * 200 * 96 * 4 - 4)  # a quarter < 1 weight
     layer = Linear(96, 200, bias=False)
     select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
@@ -92,7 +94,8 @@ def test_dense_weights_are_released_when_they_would_not_fit_the_memory_budget(mo
     assert GEMV_ROWS_ENV in caplog.text and "quarter of the memory available" in caplog.text
 
 
-def test_bfloat16_keeps_no_dense_copy():
+def test_bfloat16_keeps_no_dense_copy(monkeypatch):
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
     layer = Linear(8, 4, bias=False).to(torch.bfloat16)
     select_cpu_gemm(layer, torch.device("cpu"), torch.bfloat16)
     assert layer.gemv_rows == 0
@@ -103,3 +106,11 @@ def test_gemv_rows_out_of_range_names_the_variable_and_range(monkeypatch, raw):
     monkeypatch.setenv(GEMV_ROWS_ENV, raw)
     with pytest.raises(ValueError, match=f"{GEMV_ROWS_ENV}='{raw}' is not a whole number of rows in 0..64"):
         gemv_rows()
+
+
+@pytest.mark.parametrize("vendor, rows", [("GenuineIntel", 3), ("AuthenticAMD", 0), ("", 0)])
+def test_the_few_row_default_is_on_for_intel_only_and_the_variable_overrides_it(monkeypatch, vendor, rows):
+    monkeypatch.setattr(linear_mod, "cpu_vendor", lambda: vendor)
+    assert gemv_rows() == rows
+    monkeypatch.setenv(GEMV_ROWS_ENV, "2")
+    assert gemv_rows() == 2

@@ -10,8 +10,9 @@ the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, i
 machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
 project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
 faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
-one and take BLAS up to INFLIGHT_CPU_GEMV_ROWS rows (default 3; 0 releases the dense weight as before). The
-cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared anyway); where
+one and take BLAS up to INFLIGHT_CPU_GEMV_ROWS rows (default 3 on Intel CPUs, where it was measured, and 0
+elsewhere, since MKL may take generic code paths on other vendors' CPUs; 0 releases the dense weight as
+before). The cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared anyway); where
 that would exceed a quarter of the memory available at load, the dense copies are released and a warning says so.
 """
 from __future__ import annotations
@@ -52,9 +53,23 @@ def cpu_gemm_choice() -> str:
     return choice if _ONEDNN is not None else "blas"
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def gemv_rows() -> int:
-    """Up to how many rows float32 linears take BLAS on the dense weight (INFLIGHT_CPU_GEMV_ROWS; 0: never)."""
-    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(DEFAULT_GEMV_ROWS)
+    """Up to how many rows float32 linears take BLAS on the dense weight (INFLIGHT_CPU_GEMV_ROWS; 0: never).
+    The default is DEFAULT_GEMV_ROWS on Intel CPUs only: MKL's speed elsewhere was not measured."""
+    default = DEFAULT_GEMV_ROWS if cpu_vendor() == "GenuineIntel" else 0
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(default)
     try:
         rows = int(raw)
     except ValueError:
