@@ -30,6 +30,33 @@ log = logging.getLogger(__name__)
 GOVERNOR_ENV = "INFLIGHT_CPU_GOVERNOR"
 
 
+# What load_at_one_thread() found and what it left: a second engine in the process, built before the first has
+# stepped on this thread, would otherwise read the 1 the first one left for loading as its width.
+_width_found: int | None = None
+_left_at_one = False
+
+
+def load_at_one_thread(get_threads: Callable[[], int], set_threads: Callable[[int], None]) -> int:
+    """Drop the calling thread to one OpenMP thread for loading; returns the width to step at: the thread's
+    count as found, or, when that is the 1 an earlier engine left for its own loading, the width that engine
+    found. (Without this, `LLM(...)` built twice before any step, as perf/offline_bench.py does, gave the second
+    engine a single thread.) To run a later engine at one thread on purpose, build it with OMP_NUM_THREADS=1 in
+    the environment or after torch.set_num_threads(1) before the first engine."""
+    global _width_found, _left_at_one
+    current = get_threads()
+    width = _width_found if current == 1 and _left_at_one and _width_found else current
+    _width_found, _left_at_one = width, True
+    set_threads(1)
+    return width
+
+
+def width_set_explicitly() -> None:
+    """The caller has just set this thread's count on purpose (an instance's share of the cores): the next
+    engine takes it as found, even if it is 1."""
+    global _left_at_one
+    _left_at_one = False
+
+
 def governor_choice() -> bool:
     """INFLIGHT_CPU_GOVERNOR: 1 (default) adapts the thread count to the cores left over; 0 keeps it fixed."""
     choice = os.environ.get(GOVERNOR_ENV, "1").strip() or "1"

@@ -11,7 +11,7 @@ import torch
 from . import attention
 from .attention import AttentionMetadata
 from .config import EngineConfig
-from .cpu_threads import ThreadGovernor, governor_choice
+from .cpu_threads import ThreadGovernor, governor_choice, load_at_one_thread
 from .cuda_graphs import StaticDecode
 from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
@@ -46,11 +46,11 @@ class ModelRunner:
         self.static_decode: StaticDecode | None = None
         # On CPU the stepping thread alone runs OpenMP teams: loading runs at one thread, and the first step sets
         # the thread count chosen here (by the operator or the instance placement). See cpu_threads.py.
-        self.governor = (ThreadGovernor(torch.get_num_threads(), len(os.sched_getaffinity(0)), torch.set_num_threads,
-                                        adaptive=governor_choice())
-                         if self.device.type == "cpu" else None)
-        if self.governor is not None:
-            torch.set_num_threads(1)
+        self.governor = None
+        if self.device.type == "cpu":
+            width = load_at_one_thread(torch.get_num_threads, torch.set_num_threads)
+            self.governor = ThreadGovernor(width, len(os.sched_getaffinity(0)), torch.set_num_threads,
+                                           adaptive=governor_choice())
         # Sized from device memory, the pool is measured against what this engine uses, so loading, sizing and
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()

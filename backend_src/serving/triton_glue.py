@@ -38,6 +38,7 @@ def place_engine(args: dict, model_config: dict, options: ServingOptions) -> Non
     import logging
 
     import torch  # only here: importing this module must stay light
+    from inflight.cpu_threads import width_set_explicitly
 
     engine = options.engine
     engine.device = engine_device(engine.device, args.get("model_instance_kind", ""),
@@ -46,6 +47,7 @@ def place_engine(args: dict, model_config: dict, options: ServingOptions) -> Non
         threads = cpu_threads(len(os.sched_getaffinity(0)), cpu_instances(model_config))
         if threads is not None:
             torch.set_num_threads(threads)
+            width_set_explicitly()
     logging.getLogger("serving").info("%s: %d torch threads, device %s", args.get("model_instance_name", "?"),
                                       torch.get_num_threads(), engine.device)
 

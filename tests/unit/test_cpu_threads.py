@@ -151,3 +151,34 @@ def test_a_cpu_runner_loads_at_one_thread_and_its_first_step_sets_the_width(monk
         assert not LLM(TINY, num_kv_blocks=16).engine.runner.governor.adaptive
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_second_engine_built_before_any_step_gets_the_width_the_first_found():
+    """The first engine leaves the thread at one for loading; the second must not take that 1 as its width."""
+    import torch
+
+    from engine_helpers import TINY
+    from inflight import LLM
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = LLM(TINY, num_kv_blocks=16)
+        assert torch.get_num_threads() == 1  # left for loading
+        second = LLM(TINY, num_kv_blocks=16)
+        assert first.engine.runner.governor.full == second.engine.runner.governor.full == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_load_at_one_thread_takes_the_current_width_unless_it_is_the_one_left_for_loading():
+    from inflight import cpu_threads
+    count = [3]
+    get, put = (lambda: count[0]), (lambda n: count.__setitem__(0, n))
+    cpu_threads._width_found, cpu_threads._left_at_one = None, False
+    assert cpu_threads.load_at_one_thread(get, put) == 3 and count[0] == 1
+    assert cpu_threads.load_at_one_thread(get, put) == 3  # the 1 it left is not a width
+    count[0] = 2  # an operator (or a governor on this thread) set a width since
+    assert cpu_threads.load_at_one_thread(get, put) == 2 and count[0] == 1
+    cpu_threads.width_set_explicitly()  # an instance's share set on purpose, even 1, is taken as found
+    count[0] = 1
+    assert cpu_threads.load_at_one_thread(get, put) == 1
