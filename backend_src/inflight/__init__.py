@@ -7,8 +7,8 @@ import os
 # bought 1.06x. A short spin (30,000 rounds, a fraction of a millisecond) keeps the threads awake within a
 # step and lets them sleep between steps: 1.6x over one thread on an idle machine (at 10,000 rounds the
 # workers fell asleep in the Python between a layer's linears: 35.2 vs 32.8 ms a one-row step, 68.5 vs 61.8
-# at 16 rows). The collapse under contention it would still
-# risk is what cpu_threads.ThreadGovernor prevents, by running one thread while other processes hold a core.
+# at 16 rows). The collapse under contention it would still risk is what cpu_threads.ThreadGovernor
+# prevents, by running one thread while other processes hold a core.
 # libgomp reads these once, when torch loads it, so they are set here, before anything of ours imports torch;
 # an operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (docs/cpu.md).
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

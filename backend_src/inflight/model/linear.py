@@ -2,7 +2,7 @@
 
 Why: MKL's sgemm picks slow code paths on non-Intel CPUs (this project's 2-core AMD EPYC CI machine runs
 the lm_head 2x slower through it), while oneDNN dispatches on the CPU's instruction sets. On the SmolLM2
-shapes oneDNN is as fast or faster from 1 row up (perf/offline_bench.py has the model-level figures).
+shapes oneDNN is as fast or faster from 4 rows up (perf/offline_bench.py has the model-level figures).
 INFLIGHT_CPU_GEMM=blas restores torch's default; CUDA tensors never take this path.
 
 Except at a few rows: a decode step of one to three sequences is a matrix-vector product, bound by how fast
@@ -111,12 +111,17 @@ def _(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-class Linear(nn.Linear):
-    """Drop-in nn.Linear. On CPU with oneDNN, select_cpu_gemm swaps the weight for a prepacked copy.
-    Its call skips nn.Module's hook dispatch, as llama.DirectCall's do (121 calls a step)."""
+class DirectCall(nn.Module):
+    """A module whose call goes straight to forward, past nn.Module's hook dispatch: a step makes ~270 module
+    calls (121 of them Linear), and the dispatch was 0.7 ms of a 30 ms one-row CPU step. Nothing registers
+    hooks on the engine's models."""
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
+
+
+class Linear(DirectCall, nn.Linear):
+    """Drop-in nn.Linear. On CPU with oneDNN, select_cpu_gemm swaps the weight for a prepacked copy."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,10 +134,10 @@ class Linear(nn.Linear):
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= self.gemv_rows and not torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             out = torch.ops.inflight.onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
+        elif rows.shape[0] <= self.gemv_rows:
+            return F.linear(x, self.weight, self.bias)
         else:
             out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
