@@ -15,7 +15,7 @@ from .cpu_threads import ThreadGovernor, governor_choice, load_at_one_thread
 from .cuda_graphs import StaticDecode
 from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
-from .model import cpu_forward
+from .model import cpu_forward, native_decode
 from .model.fused_forward import fused_forward
 from .sequence import Sequence
 from .step_timer import NULL_TIMER
@@ -77,7 +77,7 @@ class ModelRunner:
             return functools.partial(fused_forward, self.model)
         if self.device.type == "cpu" and cpu_forward.compile_choice():
             return cpu_forward.CompiledCPUForward(self.model)
-        return self.model
+        return native_decode.native_forward(self.model, self.device, self.dtype) or self.model
 
     def enable_static_decode(self, capture: bool) -> None:
         """Route all-one-token steps through padded static buffers (cuda_graphs.py); capture=True (CUDA)

@@ -80,6 +80,7 @@ def test_compiled_forward_matches_eager_on_mixed_batches(monkeypatch):
     ids = list(range(100, 160))
     prompts = [ids[:1], ids[:7], ids[:40]]
     monkeypatch.setenv(cpu_forward.COMPILE_ENV, "0")
+    monkeypatch.setenv("INFLIGHT_CPU_NATIVE", "0")  # llama.py's forward for every step (test_native_decode.py)
     eager = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)  # 32: the 40-token prompt is chunked
     assert eager.engine.runner.forward is eager.engine.runner.model
     want = _logits(eager, prompts, 6)

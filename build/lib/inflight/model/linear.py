@@ -1,0 +1,176 @@
+"""nn.Linear whose CPU matmul goes through oneDNN rather than the BLAS that torch links (MKL).
+
+Why: MKL's sgemm picks slow code paths on non-Intel CPUs (this project's 2-core AMD EPYC CI machine runs
+the lm_head 2x slower through it), while oneDNN dispatches on the CPU's instruction sets. On the SmolLM2
+shapes oneDNN is as fast or faster from 4 rows up (perf/offline_bench.py has the model-level figures).
+INFLIGHT_CPU_GEMM=blas restores torch's default; CUDA tensors never take this path.
+
+Except at a few rows: a decode step of one to three sequences is a matrix-vector product, bound by how fast
+the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, in] weight) streams at the
+machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
+project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
+faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
+one and take BLAS up to INFLIGHT_CPU_GEMV_ROWS rows (default 3 on Intel CPUs, where it was measured, and 0
+elsewhere, since MKL may take generic code paths on other vendors' CPUs; 0 releases the dense weight as
+before). The cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared anyway); where
+that would exceed a quarter of the memory available at load, the dense copies are released and a warning says so.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GEMM_ENV = "INFLIGHT_CPU_GEMM"
+GEMV_ROWS_ENV = "INFLIGHT_CPU_GEMV_ROWS"
+DEFAULT_GEMV_ROWS = 3
+MAX_GEMV_ROWS = 64
+
+log = logging.getLogger(__name__)
+
+
+def _onednn_linear():
+    """torch's oneDNN linear op (the one torch.compile uses on CPU), or None where this build lacks it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        op(torch.ones(1, 2), torch.ones(3, 2), None, "none", [], "")  # some builds register it but fail
+        return op
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def cpu_gemm_choice() -> str:
+    """onednn (default where available) or blas, from INFLIGHT_CPU_GEMM."""
+    choice = os.environ.get(GEMM_ENV, "onednn").strip().lower() or "onednn"
+    if choice not in ("onednn", "blas"):
+        raise ValueError(f"{GEMM_ENV}={choice!r} is not one of onednn, blas")
+    return choice if _ONEDNN is not None else "blas"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor_id from /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def gemv_rows() -> int:
+    """Up to how many rows float32 linears take BLAS on the dense weight (INFLIGHT_CPU_GEMV_ROWS; 0: never).
+    The default is DEFAULT_GEMV_ROWS on Intel CPUs only: MKL's speed elsewhere was not measured."""
+    default = DEFAULT_GEMV_ROWS if cpu_vendor() == "GenuineIntel" else 0
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(default)
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -1
+    if not 0 <= rows <= MAX_GEMV_ROWS:
+        raise ValueError(f"{GEMV_ROWS_ENV}={raw!r} is not a whole number of rows in 0..{MAX_GEMV_ROWS}")
+    return rows
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+_ONEDNN = _onednn_linear()
+
+
+# Rows the packed layout is tuned for: a CPU decode batch (max_num_seqs 16 here); oneDNN stays correct,
+# and near this speed, for any row count.
+PACK_ROWS_HINT = 16
+
+
+@torch.library.custom_op("inflight::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  out_features: int) -> torch.Tensor:
+    """The prepacked oneDNN linear as an op torch.compile treats as opaque: inductor's own lowering of the
+    oneDNN op cannot take an already packed weight, so the compiled CPU forward calls it through this."""
+    return _ONEDNN(x, packed_weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+class DirectCall(nn.Module):
+    """A module whose call goes straight to forward, past nn.Module's hook dispatch: a step makes ~270 module
+    calls (121 of them Linear), and the dispatch was 0.7 ms of a 30 ms one-row CPU step. Nothing registers
+    hooks on the engine's models."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class Linear(DirectCall, nn.Linear):
+    """Drop-in nn.Linear. On CPU with oneDNN, select_cpu_gemm swaps the weight for a prepacked copy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A buffer, not a plain attribute: torch.compile then takes it as an input of the graph, so one compiled
+        # decoder layer serves every layer (a plain tensor attribute would be baked in, one graph per layer).
+        self.register_buffer("packed_weight", None, persistent=False)
+        self.gemv_rows = 0  # up to this many rows, BLAS on the dense weight even when packed (see above)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            out = torch.ops.inflight.onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
+        elif rows.shape[0] <= self.gemv_rows:
+            return F.linear(x, self.weight, self.bias)
+        else:
+            out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """Point every Linear of the model at oneDNN (prepacked weights) or BLAS; returns the choice, for the log.
+
+    Prepacking (reordering the weight into oneDNN's blocked layout once, at load) saves the reorder every
+    call would otherwise do: 15-30% per matmul from 5 rows up. The dense weight is kept for the few-row BLAS
+    path (float32, INFLIGHT_CPU_GEMV_ROWS > 0, within the memory budget above) and otherwise released, so the
+    model does not hold its weights twice, unless another module shares it (a tied lm_head).
+    """
+    use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemm_choice() == "onednn")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    few_rows = gemv_rows() if use and dtype == torch.float32 else 0
+    if few_rows:
+        kept = sum(m.weight.numel() * m.weight.element_size() for m in linears if id(m.weight) not in shared)
+        budget = _available_memory_bytes() // 4
+        if kept > budget:
+            log.warning("CPU linears: not keeping dense weights for the %d-row BLAS path: %.0f MB would exceed a "
+                        "quarter of the memory available (%.0f MB); %s=0 silences this", few_rows, kept / 2**20,
+                        budget / 2**20, GEMV_ROWS_ENV)
+            few_rows = 0
+    for layer in linears:
+        if use and layer.packed_weight is None:
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_ROWS_HINT)
+        elif not use and layer.packed_weight is not None:
+            if layer.weight.numel() == 0:  # released: unpack it again
+                layer.weight = nn.Parameter(layer.packed_weight.to_dense(), requires_grad=False)
+            layer.packed_weight = None
+        if use and not few_rows and id(layer.weight) not in shared and layer.weight.numel():
+            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        layer.gemv_rows = few_rows if use and layer.weight.numel() else 0
+    return "onednn" if use else ("blas" if device.type == "cpu" else "cuda")

@@ -1,0 +1,211 @@
+"""The CPU decode step in one native call (native/decode_step.c), for steps of a few float32 decode rows.
+
+Why: a one-row CPU step of SmolLM2 spends ~20 ms in its linears, which stream the weights at the memory's read
+bandwidth, and ~10 ms in the ~40 torch calls per layer around them. decode_step.c runs a whole step (every
+layer's norms, RoPE, K/V store, attention, SiLU-and-mul and residuals) as plain loops between the same BLAS
+calls torch makes (MKL's sgemm, looked up in torch's own library, so threads and results are torch's).
+
+Used for a step when all of its rows decode, there are at most INFLIGHT_CPU_GEMV_ROWS of them (the rows for
+which the linears take BLAS on the dense weight anyway, model/linear.py), and the model is float32 on CPU;
+every other step runs llama.py's forward. INFLIGHT_CPU_NATIVE=0 turns it off. The library is compiled on first
+use with the system's C compiler (a fraction of a second) into a cache directory; with no compiler, or if the
+build fails, the forward stays in torch and a warning says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from ..attention import AttentionMetadata
+from .llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "INFLIGHT_CPU_NATIVE"
+CACHE_ENV = "INFLIGHT_NATIVE_CACHE"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_step.c")
+# No FMA contraction: the elementwise steps then round as torch's separate multiply and add kernels do.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+# Weights per layer, in decode_step.c's enum order.
+_PER_LAYER = 7
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "block_size", "table_width")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("gemm", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p)), ("final_norm", ctypes.c_void_p)]
+
+
+def native_choice() -> bool:
+    """INFLIGHT_CPU_NATIVE: 1 (default) uses the native decode step where it applies; 0 never."""
+    choice = os.environ.get(NATIVE_ENV, "1").strip() or "1"
+    if choice not in ("0", "1"):
+        raise ValueError(f"{NATIVE_ENV}={choice!r} is not one of 0, 1")
+    return choice == "1"
+
+
+def _cache_dir() -> str:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "inflight-native")
+
+
+def build_library() -> str:
+    """Path of the compiled library, building it if this source and these flags were not built before.
+    Raises RuntimeError naming the cause when there is no compiler or the build fails."""
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    compiler = os.environ.get("CC") or "cc"
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    directory = _cache_dir()
+    target = os.path.join(directory, f"decode_step-{key}.so")
+    if os.path.exists(target):
+        return target
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler}) on PATH")
+    os.makedirs(directory, exist_ok=True)
+    # Built under a temporary name and renamed: several engine processes may build at once.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _torch_sgemm() -> int:
+    """Address of the Fortran-style SGEMM in torch's CPU library (MKL in x86 wheels); 0 when it has none."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = os.path.join(lib_dir, name)
+        if os.path.exists(path):
+            lib = ctypes.CDLL(path)  # already loaded by torch: this only looks it up
+            for symbol in ("sgemm_", "SGEMM"):
+                if hasattr(lib, symbol):
+                    return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value or 0
+    return 0
+
+
+class NativeDecodeForward:
+    """Called like the model: (input_ids, positions, meta, kv_caches) -> final hidden states [tokens, hidden].
+    Steps the native call does not cover go to the model's own forward."""
+
+    def __init__(self, model: LlamaForCausalLM, library: str, gemm: int, max_rows: int):
+        self.model = model
+        cfg = model.cfg
+        self.max_rows = max_rows
+        self.lib = ctypes.CDLL(library)
+        self.lib.decode_step.restype = ctypes.c_int
+        self.lib.decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.c_int] + [ctypes.c_void_p] * 8
+        weights = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        for w in weights:
+            if w is not None and not (w.is_contiguous() and w.dtype == torch.float32 and w.numel()):
+                raise RuntimeError("the native decode step needs contiguous, dense float32 weights")
+        self._weights = weights  # held: the native side keeps their addresses
+        self._weight_ptrs = (ctypes.c_void_p * len(weights))(*[0 if w is None else w.data_ptr() for w in weights])
+        self.spec = _Model(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim, inter=cfg.intermediate_size, layers=cfg.num_layers,
+                           eps=cfg.rms_norm_eps, scale=model.layers[0].self_attn.scale, gemm=gemm,
+                           weights=ctypes.cast(self._weight_ptrs, ctypes.POINTER(ctypes.c_void_p)),
+                           final_norm=model.norm.weight.data_ptr())
+        self._cache_key: list = []
+        self._cache_arrays = None
+        self.steps = 0  # native steps run, for tests and the log
+
+    def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Each layer's K and V cache address, as two C arrays; rebuilt only when the cache list changes."""
+        key = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        if key != self._cache_key:
+            for k, v in kv_caches:
+                for cache in (k, v):
+                    if not (cache.is_contiguous() and cache.dtype == torch.float32 and cache.dim() == 4):
+                        raise ValueError("the native decode step needs contiguous float32 caches "
+                                         "[blocks, block_size, kv_heads, head_dim]")
+            array = ctypes.c_void_p * len(kv_caches)
+            self._cache_arrays = (array(*[k for k, _ in key]), array(*[v for _, v in key]))
+            self._cache_key = key
+        return self._cache_arrays
+
+    def covers(self, meta: AttentionMetadata) -> bool:
+        return meta.max_query_len == 1 and meta.num_seqs <= self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if not self.covers(meta):
+            return self.model(input_ids, positions, meta, kv_caches)
+        model, spec = self.model, self.spec
+        x = model.embed_tokens(input_ids).contiguous()
+        cos, sin = model.rope_cos_sin(positions)
+        k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
+        spec.block_size, spec.table_width = kv_caches[0][0].shape[1], meta.block_tables.shape[1]
+        tables = meta.block_tables.to(torch.int32).contiguous()  # no copy when already so (the usual case)
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = self.lib.decode_step(ctypes.byref(spec), x.shape[0], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  k_ptrs, v_ptrs, slots.data_ptr(), tables.data_ptr(), lens.data_ptr())
+        if rc != 0:
+            raise MemoryError("the native decode step could not allocate its scratch memory")
+        self.steps += 1
+        return x
+
+
+def _linears(model: LlamaForCausalLM):
+    for layer in model.layers:
+        yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype):
+    """A NativeDecodeForward for this model where the native step applies and builds, else None (and why, in
+    the log at info or warning level)."""
+    if device.type != "cpu" or dtype != torch.float32 or not native_choice():
+        return None
+    if sys.platform != "linux":
+        log.info("native CPU decode step: not on %s", sys.platform)
+        return None
+    max_rows = min(layer.gemv_rows for layer in _linears(model))
+    if max_rows < 1:
+        log.info("native CPU decode step: off, since the linears keep no dense weight (INFLIGHT_CPU_GEMV_ROWS=0 "
+                 "or the memory budget)")
+        return None
+    gemm = _torch_sgemm()
+    if not gemm:
+        log.warning("native CPU decode step: torch's library exports no sgemm; the forward stays in torch")
+        return None
+    try:
+        library = build_library()
+    except (RuntimeError, OSError) as exc:
+        log.warning("native CPU decode step unavailable (%s): one-row decode steps stay in torch (slower); "
+                    "%s=0 silences this", exc, NATIVE_ENV)
+        return None
+    return NativeDecodeForward(model, library, gemm, max_rows)
+
+
+def main() -> None:
+    """Build the library ahead of time, e.g. in an image whose runtime has no compiler:
+    INFLIGHT_NATIVE_CACHE=/opt/native python -m inflight.model.native_decode, and the same variable at run time."""
+    print(build_library())
+
+
+if __name__ == "__main__":
+    main()

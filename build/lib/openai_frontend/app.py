@@ -1,0 +1,233 @@
+"""FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions (streaming and not), /health."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import ChatTemplates
+from .errors import APIError, bad_request
+from .protocol import GenerationRequest, parse_chat, parse_completion
+from .responses import DONE, ResponseBuilder, sse, usage
+from .triton_client import TritonBackend
+from .triton_io import Delta, openai_finish_reason
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while we waited on the model."""
+
+
+class Accumulated:
+    """Running totals over one choice's deltas. We always stream from Triton, and a streamed response's
+    num_output_tokens counts the tokens it carries (they add up to the total, as in vLLM's backend);
+    num_input_tokens repeats the prompt length, so the latest one is kept."""
+
+    def __init__(self, prefix: str = ""):
+        self.parts = [prefix] if prefix else []
+        self.finish_reason: str | None = None
+        self.num_input: int | None = None
+        self.num_output: int | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta.text)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.num_input = delta.num_input_tokens if delta.num_input_tokens is not None else self.num_input
+        if delta.num_output_tokens is not None:
+            self.num_output = (self.num_output or 0) + delta.num_output_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Choices:
+    """The request's n choices, by index."""
+
+    def __init__(self, n: int, prefix: str = ""):
+        self.all = [Accumulated(prefix) for _ in range(n)]
+
+    def add(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            self.all[delta.index].add(delta)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.all)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.all[0].num_input, sum(c.num_output or 0 for c in self.all))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable) -> Any:
+    """Await `work`, cancelling it if the client goes away first. Cancelling the task that drives the delta
+    generator runs the generator's cleanup, which cancels the Triton request."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody is left to tell
+        pass
+    raise ClientGone()
+
+
+async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: list[Delta],
+                       deltas: AsyncIterator[list[Delta]]) -> AsyncIterator[str]:
+    # Starlette cancels this generator when the client disconnects (its listen_for_disconnect task);
+    # aclosing then closes `deltas`, whose cleanup cancels the gRPC call of an unfinished request.
+    async with aclosing(deltas):
+        choices = Choices(req.n)
+        try:
+            if req.is_chat:
+                for i in range(req.n):
+                    yield sse(builder.role_chunk(i))
+            step, prefix = first, (req.prompt if req.echo else "")
+            echoed = set()
+            while True:
+                choices.add(step)
+                for delta in step:
+                    head = prefix if delta.index not in echoed else ""
+                    echoed.add(delta.index)
+                    text = head + delta.text
+                    if delta.finish_reason:
+                        yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index))
+                    elif text:
+                        yield sse(builder.chunk(text, index=delta.index))
+                if choices.finished:
+                    if req.include_usage:
+                        yield sse(builder.usage_chunk(choices.usage()))
+                    break
+                step = await anext(deltas)
+        except APIError as e:
+            # Headers (200) are gone already; OpenAI's clients raise on an event that carries "error".
+            log.warning("stream %s failed: %s", builder.id, e.message)
+            yield sse(e.body())
+        yield DONE
+
+
+async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]) -> Response:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+    req = parse(body)
+    backend: TritonBackend = request.app.state.backend
+    info = await backend.model(req.model)
+    if req.is_chat:
+        templates: ChatTemplates = request.app.state.templates
+        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages)
+    builder = ResponseBuilder(req)
+    deltas = backend.generate(info, req.prompt, req.sampling, builder.id)
+    try:
+        # Wait for the model's first response before answering, so a refused request (bad value, queue
+        # full) gets its own status code even when it asked to stream.
+        first = await _unless_disconnected(request, anext(deltas))
+        if req.stream:
+            return StreamingResponse(_stream_body(builder, req, first, deltas), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        async def collect() -> Choices:
+            choices = Choices(req.n, req.prompt if req.echo else "")
+            choices.add(first)
+            while not choices.finished:
+                choices.add(await anext(deltas))
+            return choices
+
+        choices = await _unless_disconnected(request, collect())
+        return JSONResponse(builder.full([(c.text, openai_finish_reason(c.finish_reason)) for c in choices.all],
+                                         choices.usage()))
+    except ClientGone:
+        log.info("client left %s before its answer; request cancelled", builder.id)
+        return Response(status_code=499)
+    finally:
+        if not req.stream:
+            await deltas.aclose()
+
+
+async def _warm_up(backend: TritonBackend, templates: ChatTemplates) -> None:
+    """Load the served models' tokenizers in the background: loading one takes seconds, which the first
+    chat request would otherwise wait for. Best effort: a chat request loads whatever is missing."""
+    try:
+        for info in await backend.list_models():
+            if info.tokenizer_dir:
+                await asyncio.to_thread(templates.preload, info.tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - Triton not up yet, a broken folder: the request path reports it
+        log.info("tokenizer warm-up skipped: %s", e)
+
+
+def _model_card(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "triton"}
+
+
+def create_app(triton_url: str, tokenizers: dict[str, str] | None = None,
+               model_repository: str | None = None, admin_key: str | None = None) -> FastAPI:
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.backend = TritonBackend(triton_url, tokenizers, model_repository, admin_key)
+        app.state.templates = ChatTemplates()
+        warmup = asyncio.create_task(_warm_up(app.state.backend, app.state.templates))
+        yield
+        warmup.cancel()
+        await app.state.backend.close()
+
+    app = FastAPI(title="OpenAI-compatible API for tritonserver", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ready = await request.app.state.backend.is_ready()
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        models = await request.app.state.backend.list_models()
+        return {"object": "list", "data": [_model_card(m.name, started) for m in models]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: Request) -> dict[str, Any]:
+        return _model_card((await request.app.state.backend.model(name)).name, started)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, parse_chat)
+
+    return app

@@ -1,0 +1,187 @@
+"""Parse and check OpenAI request bodies into one GenerationRequest; no Triton and no HTTP in here.
+
+Only type errors and OpenAI features we do not have are refused here. Range checks are left to the model,
+whose messages already name the field, the value and the allowed range, so there is one source of truth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from inflight.fields import BOOL, FIELDS, FLOAT, INT
+
+from .errors import bad_request
+
+# OpenAI body key -> (contract name, the JSON type it must have), from the request schema's `openai` column.
+# The vLLM extensions (top_k, min_p, ...) are there too: clients send them through extra_body.
+_JSON_TYPES = {INT: "integer", FLOAT: "number", BOOL: "boolean"}
+_SAMPLING_FIELDS = {f.openai: (f.name, _JSON_TYPES[f.kind]) for f in FIELDS if f.openai}
+
+# Chat roles a template understands. "developer" is OpenAI's newer name for "system"; templates predate it.
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class GenerationRequest:
+    """One OpenAI request reduced to what the Triton call needs."""
+    model: str
+    is_chat: bool
+    prompt: str = ""  # completions: the prompt; chat: filled in by rendering `messages`
+    messages: list[dict[str, str]] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    # Contract names -> values, only for what the client set, so the model's own defaults apply otherwise
+    # (max_tokens above all: OpenAI's legacy default of 16 would silently truncate).
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _typed(name: str, value: Any, kind: str) -> Any:
+    if kind == "number":
+        if not _is_number(value):
+            raise bad_request(f"{name}={value!r} is not a number", name)
+        return float(value)
+    if kind == "integer":
+        # JSON has no integer type of its own; 5.0 is accepted as 5, 5.5 is not.
+        if not _is_number(value) or float(value) != int(value):
+            raise bad_request(f"{name}={value!r} is not an integer", name)
+        return int(value)
+    if kind == "boolean":
+        if not isinstance(value, bool):
+            raise bad_request(f"{name}={value!r} is not a boolean", name)
+        return value
+    raise AssertionError(kind)
+
+
+def _refuse_if_set(body: dict, name: str, allowed: tuple = (), why: str = "is not supported") -> None:
+    """400 when `name` is present with a value other than null or one of `allowed` (its no-op values)."""
+    value = body.get(name)
+    if value is not None and value not in allowed:
+        raise bad_request(f"{name}={value!r:.80} {why}", name)
+
+
+def _common(body: dict, is_chat: bool) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"model={model!r} must be a non-empty string naming a served model", "model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream={stream!r} is not a boolean", "stream")
+    req = GenerationRequest(model=model, is_chat=is_chat, stream=stream)
+
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request(f"stream_options={options!r} is not an object", "stream_options")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise bad_request(f"stream_options.include_usage={include!r} is not a boolean", "stream_options")
+        req.include_usage = include
+
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+
+    # max_completion_tokens is OpenAI's current name; max_tokens its legacy one. The newer one wins.
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            req.sampling["max_tokens"] = _typed(name, body[name], "integer")
+            break
+    for name, (contract, kind) in _SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            req.sampling[contract] = _typed(name, body[name], kind)
+
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request(f"stop={stop!r} must be a string or a list of strings", "stop")
+        if stop:
+            req.sampling["stop_words"] = stop
+    return req
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    req = _common(body, is_chat=False)
+    prompt = body.get("prompt")
+    # A list of one string is what some clients send for a single prompt; more would mean several choices.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad_request(f"prompt={prompt!r:.80} is not supported: allowed a single string "
+                          f"(token-id prompts and batches of prompts are not)", "prompt")
+    req.prompt = prompt
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad_request(f"echo={echo!r} is not a boolean", "echo")
+    req.echo = echo
+    _refuse_if_set(body, "logprobs", why="is not supported: the model reports only a cumulative logprob")
+    _refuse_if_set(body, "suffix", allowed=("",), why="is not supported (no fill-in-the-middle)")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request(f"best_of={best_of!r} is not supported: allowed only 1", "best_of")
+    return req
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content part of type {kind!r} is not supported: "
+                                  f"this model takes text only", "messages")
+            parts.append(part["text"])
+        # Several text parts read as separate paragraphs, not as one run-on word.
+        return "\n".join(parts)
+    raise bad_request(f"messages[{i}].content={content!r:.80} must be a string or a list of text parts",
+                      "messages")
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    req = _common(body, is_chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] is not an object", "messages")
+        role = msg.get("role")
+        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
+            raise bad_request(f"messages[{i}]: tool and function calling are not supported", "messages")
+        if role not in _CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role={role!r} is not one of {sorted(_CHAT_ROLES)}", "messages")
+        req.messages.append({"role": _CHAT_ROLES[role], "content": _message_text(i, msg.get("content"))})
+    for name in ("tools", "functions"):
+        _refuse_if_set(body, name, allowed=([],), why="is not supported: tool calling is not available")
+    _refuse_if_set(body, "tool_choice", allowed=("none",), why="is not supported: tool calling is not available")
+    _refuse_if_set(body, "function_call", allowed=("none",), why="is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request(f"response_format={fmt!r:.80} is not supported: allowed only {{'type': 'text'}}",
+                          "response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")
+    for name in ("audio", "prediction", "web_search_options"):
+        _refuse_if_set(body, name)
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise bad_request("logprobs is not supported: the model reports only a cumulative logprob", "logprobs")
+    return req

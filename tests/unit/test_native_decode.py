@@ -1,0 +1,178 @@
+"""The native CPU decode step (model/native_decode.py, model/native/decode_step.c) against llama.py's forward:
+same hidden states within float32 rounding, the same K/V written to the same slots and nothing else, greedy
+tokens unchanged through the engine, and a clean fallback where it does not apply or cannot be built."""
+import logging
+
+import pytest
+import torch
+
+from engine_helpers import TINY
+from inflight import LLM, SamplingParams
+from inflight.attention import AttentionMetadata
+from inflight.model import ModelConfig, LlamaForCausalLM, native_decode
+from inflight.model import linear as linear_mod
+from inflight.model.linear import GEMV_ROWS_ENV
+
+needs_native = pytest.mark.skipif(linear_mod._ONEDNN is None or not native_decode._torch_sgemm(),
+                                  reason="needs torch's oneDNN linear and an exported sgemm")
+
+
+def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
+    cfg = ModelConfig(model_type="qwen2" if qkv_bias else "llama", vocab_size=300, hidden_size=96,
+                      intermediate_size=160, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=head_dim,
+                      rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+                      qkv_bias=qkv_bias, rope_theta=10000.0)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return model
+
+
+def _native(model, monkeypatch, tmp_path):
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32)
+    assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == 3
+    return forward
+
+
+def _decode_step(lens, block_size, num_blocks):
+    """Metadata for one decode token per row, each row's blocks scattered (taken from the end of the pool) and
+    the last row a padding row (slot -1, as the static decode pads)."""
+    tables = torch.zeros(len(lens), 4, dtype=torch.int32)
+    free = list(range(num_blocks - 1, -1, -1))
+    for i, length in enumerate(lens):
+        for b in range((length + block_size - 1) // block_size):
+            tables[i, b] = free.pop(0)
+    slots = [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    slots[-1] = -1
+    n = len(lens)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32), query_lens=[1] * n,
+                             seq_lens_host=list(lens), max_query_len=1, max_seq_len=max(lens))
+    return meta, torch.tensor([n - 1 for n in lens])
+
+
+@needs_native
+@pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24)])  # 24: a dot product with a tail
+def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim):
+    model = _random_model(qkv_bias, head_dim)
+    native = _native(model, monkeypatch, tmp_path)
+    block_size, num_blocks = 4, 16
+    meta, positions = _decode_step([1, 11, 7], block_size, num_blocks)
+    shape = (num_blocks, block_size, 2, head_dim)
+    torch.manual_seed(2)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
+    ids = torch.tensor([5, 17, 250])
+    want_caches = [(k.clone(), v.clone()) for k, v in caches]
+    # Past a row's length (here: block 0, which the tables pad with) the cache may hold anything, NaN in a
+    # never-written block: the native step reads no slot past a row's length. (The torch reference masks such
+    # keys after the dot product, so it gets finite values there.)
+    for k, v in caches:
+        k[0], v[0] = float("nan"), float("nan")
+    before = [k.clone() for k, _ in caches]
+    with torch.inference_mode():
+        want = model(ids, positions, meta, want_caches)
+        got = native(ids, positions, meta, caches)
+    assert native.steps == 1
+    # The padding row attends to whatever its table names; only the real rows are compared.
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-5)
+    for (k, v), (wk, wv) in zip(caches, want_caches):
+        torch.testing.assert_close(k[1:], wk[1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[1:], wv[1:], rtol=1e-5, atol=1e-5)
+    # Only the two real rows' slots were written, in every layer.
+    for (k, _), old in zip(caches, before):
+        changed = (~torch.isclose(k, old, equal_nan=True)).flatten(2).any(-1).flatten().nonzero().flatten()
+        assert changed.tolist() == sorted(meta.slot_mapping[:2].tolist())
+
+
+@needs_native
+def test_steps_it_does_not_cover_go_to_the_model(monkeypatch, tmp_path):
+    native = _native(_random_model(False, 16), monkeypatch, tmp_path)
+    meta, _ = _decode_step([3, 5, 6, 2], 4, 16)
+    assert not native.covers(meta)  # 4 rows: past INFLIGHT_CPU_GEMV_ROWS
+    prefill = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                                seq_lens=torch.tensor([3], dtype=torch.int32),
+                                cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), query_lens=[3],
+                                seq_lens_host=[3], max_query_len=3, max_seq_len=3)
+    assert not native.covers(prefill)
+    assert native.covers(_decode_step([3, 5], 4, 16)[0])
+
+
+def _generate(llm, prompts, max_tokens):
+    logits = []
+    execute = llm.engine.runner.execute
+
+    def recording(*args, **kwargs):
+        out, seqs = execute(*args, **kwargs)
+        logits.append(out.clone())
+        return out, seqs
+
+    llm.engine.runner.execute = recording
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.token_ids for o in outs], logits
+
+
+@needs_native
+def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path):
+    """Two prompts through prefill and decode (the 2-row decode steps go native), then one alone."""
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    prompts = [list(range(100, 109)), list(range(300, 340))]
+    monkeypatch.setenv(native_decode.NATIVE_ENV, "0")
+    plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    assert plain.engine.runner.forward is plain.engine.runner.model
+    want_tokens, want_logits = _generate(plain, prompts, 12)
+    monkeypatch.setenv(native_decode.NATIVE_ENV, "1")
+    native = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    forward = native.engine.runner.forward
+    assert isinstance(forward, native_decode.NativeDecodeForward)
+    got_tokens, got_logits = _generate(native, prompts, 12)
+    assert got_tokens == want_tokens
+    assert forward.steps >= 10
+    assert len(got_logits) == len(want_logits)
+    for g, w in zip(got_logits, want_logits):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+
+
+def test_switch_is_validated(monkeypatch):
+    monkeypatch.setenv(native_decode.NATIVE_ENV, "yes")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_NATIVE='yes' is not one of 0, 1"):
+        native_decode.native_choice()
+
+
+def test_not_for_bfloat16_or_without_dense_weights(monkeypatch):
+    model = _random_model(False, 16)
+    assert native_decode.native_forward(model, torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setenv(GEMV_ROWS_ENV, "0")
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+
+
+@needs_native
+def test_without_a_compiler_the_forward_stays_in_torch(monkeypatch, tmp_path, caplog):
+    model = _random_model(False, 16)
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level(logging.WARNING):
+        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+    assert "no C compiler (no-such-compiler-here)" in caplog.text and "INFLIGHT_CPU_NATIVE=0" in caplog.text
+
+
+def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    first = native_decode.build_library()
+    assert first.startswith(str(tmp_path)) and first.endswith(".so")
+    monkeypatch.setenv("CC", "no-such-compiler-here")  # the compiler is part of the key: a new build
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native_decode.build_library()
+    monkeypatch.delenv("CC")
+    assert native_decode.build_library() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.rsplit("/", 1)[1]]  # no temporary left
