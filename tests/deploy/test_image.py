@@ -59,6 +59,16 @@ def test_image_holds_no_build_host_settings_and_a_cpu_torch(image):
     assert inspected["Config"]["User"] == "1000:1000"
 
 
+def test_image_carries_the_native_decode_step_built_and_no_compiler(image):
+    """The image has no C compiler, so the native CPU decode step must come built (docker/Dockerfile's native
+    stage) for this source: found without building, and loadable by the server's user."""
+    found = json.loads(in_image(image, (
+        "import ctypes, json, shutil; from inflight.model import native_decode as n; path = n.build_library();"
+        " ctypes.CDLL(path); print(json.dumps({'cc': shutil.which('cc'), 'path': path}))")))
+    assert found["cc"] is None
+    assert found["path"].startswith("/opt/llm/native/decode_step-")
+
+
 def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clean(image):
     name = f"llm-test-{uuid.uuid4().hex[:8]}"
     http, grpc, metrics, openai = free_ports(4)

@@ -82,6 +82,7 @@ def build_library() -> str:
         done = subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it owner-only: an image builds it as root for another user
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
