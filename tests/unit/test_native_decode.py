@@ -42,7 +42,7 @@ def _native(model, monkeypatch, tmp_path):
 def _decode_step(lens, block_size, num_blocks):
     """Metadata for one decode token per row, each row's blocks scattered (taken from the end of the pool) and
     the last row a padding row (slot -1, as the static decode pads)."""
-    tables = torch.zeros(len(lens), 4, dtype=torch.int32)
+    tables = torch.zeros(len(lens), (max(lens) + block_size - 1) // block_size + 1, dtype=torch.int32)
     free = list(range(num_blocks - 1, -1, -1))
     for i, length in enumerate(lens):
         for b in range((length + block_size - 1) // block_size):
@@ -176,3 +176,31 @@ def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
     monkeypatch.delenv("CC")
     assert native_decode.build_library() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.rsplit("/", 1)[1]]  # no temporary left
+
+
+@needs_native
+def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width(monkeypatch, tmp_path):
+    """Past 256 positions attention splits into 128-position chunks shared by the OpenMP team and merged after:
+    the same result as the torch forward, and bit for bit the same at one thread and at two."""
+    model = _random_model(True, 24)
+    native = _native(model, monkeypatch, tmp_path)
+    block_size, num_blocks = 16, 80
+    meta, positions = _decode_step([700, 300, 1], block_size, num_blocks)
+    shape = (num_blocks, block_size, 2, 24)
+    torch.manual_seed(3)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
+    ids = torch.tensor([7, 8, 9])
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for width in (1, 2, 1):
+            torch.set_num_threads(width)
+            copies = [(k.clone(), v.clone()) for k, v in caches]
+            with torch.inference_mode():
+                results.append(native(ids, positions, meta, copies))
+        with torch.inference_mode():
+            want = model(ids, positions, meta, [(k.clone(), v.clone()) for k, v in caches])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0][:2], want[:2], rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

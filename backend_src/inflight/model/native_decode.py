@@ -33,14 +33,17 @@ NATIVE_ENV = "INFLIGHT_CPU_NATIVE"
 CACHE_ENV = "INFLIGHT_NATIVE_CACHE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_step.c")
 # No FMA contraction: the elementwise steps then round as torch's separate multiply and add kernels do.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+# -fopenmp: attention over long contexts splits across the OpenMP team; the library then needs libgomp.so.1,
+# which is the one torch has loaded (same soname), so both share one runtime and one pool of threads.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 # Weights per layer, in decode_step.c's enum order.
 _PER_LAYER = 7
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in
-                ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "block_size", "table_width")] + [
+                ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "block_size", "table_width",
+                 "threads")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("gemm", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p)), ("final_norm", ctypes.c_void_p)]
 
@@ -159,6 +162,7 @@ class NativeDecodeForward:
         cos, sin = model.rope_cos_sin(positions)
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         spec.block_size, spec.table_width = kv_caches[0][0].shape[1], meta.block_tables.shape[1]
+        spec.threads = torch.get_num_threads()
         tables = meta.block_tables.to(torch.int32).contiguous()  # no copy when already so (the usual case)
         lens = meta.seq_lens.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
