@@ -49,6 +49,8 @@ def perf_analyzer(model: str, grpc_url: str, input_data: Path, concurrency: int,
     drains long before the last request is sent. One async thread keeps every slot busy until then.
     (count_windows mode keeps concurrency, but its export drops every request that straddles a window
     boundary, which are mostly the long ones.)"""
+    # perf_analyzer refuses an export path that exists (exit 99): a rerun after an empty export must clear it.
+    export_path.unlink(missing_ok=True)
     _run([str(PERF_ANALYZER), "-m", model, "-i", "grpc", "--streaming", "-u", grpc_url,
           "--input-data", str(input_data), "--concurrency-range", str(concurrency),
           "--request-count", str(request_count), "--max-threads", "1",

@@ -18,13 +18,15 @@ EXPORT = {"experiments": [{"requests": [
 
 
 def fake_perf_analyzer(tmp_path: Path, empty_runs: int) -> Path:
-    """Writes an empty export on its first `empty_runs` runs, a one-request export after; counts its runs."""
+    """Writes an empty export on its first `empty_runs` runs, a one-request export after; counts its runs.
+    Like the real one (2.51), it refuses an export path that already exists, with exit status 99."""
     script = tmp_path / "perf_analyzer"
     good = tmp_path / "good.json"
     good.write_text(json.dumps(EXPORT))
     script.write_text(f"""#!/bin/sh
 n=$(cat {tmp_path}/runs 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {tmp_path}/runs
 while [ "$1" != "--profile-export-file" ]; do shift; done
+if [ -e "$2" ]; then echo "Error: Failed to parse --profile-export-file. Path must not already exist."; exit 99; fi
 if [ $n -le {empty_runs} ]; then : > "$2"; else cp {good} "$2"; fi
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
