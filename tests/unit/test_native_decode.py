@@ -30,12 +30,13 @@ def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
     return model
 
 
-def _native(model, monkeypatch, tmp_path):
-    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+def _native(model, monkeypatch, tmp_path, rows=3):
+    """The native forward with whole steps up to `rows` rows (0: every decode step layer by layer)."""
+    monkeypatch.setenv(GEMV_ROWS_ENV, str(rows))
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
     forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32)
-    assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == 3
+    assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == rows
     return forward
 
 
@@ -58,10 +59,11 @@ def _decode_step(lens, block_size, num_blocks):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [3, 0])  # 3: one native call; 0: layer by layer around oneDNN's linears
 @pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24)])  # 24: a dot product with a tail
-def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim):
+def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim, rows):
     model = _random_model(qkv_bias, head_dim)
-    native = _native(model, monkeypatch, tmp_path)
+    native = _native(model, monkeypatch, tmp_path, rows)
     block_size, num_blocks = 4, 16
     meta, positions = _decode_step([1, 11, 7], block_size, num_blocks)
     shape = (num_blocks, block_size, 2, head_dim)
@@ -78,7 +80,7 @@ def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, 
     with torch.inference_mode():
         want = model(ids, positions, meta, want_caches)
         got = native(ids, positions, meta, caches)
-    assert native.steps == 1
+    assert (native.steps, native.layered_steps) == ((1, 0) if rows else (0, 1))
     # The padding row attends to whatever its table names; only the real rows are compared.
     torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-5)
     for (k, v), (wk, wv) in zip(caches, want_caches):
@@ -91,16 +93,15 @@ def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, 
 
 
 @needs_native
-def test_steps_it_does_not_cover_go_to_the_model(monkeypatch, tmp_path):
+def test_which_steps_run_how(monkeypatch, tmp_path):
     native = _native(_random_model(False, 16), monkeypatch, tmp_path)
-    meta, _ = _decode_step([3, 5, 6, 2], 4, 16)
-    assert not native.covers(meta)  # 4 rows: past INFLIGHT_CPU_GEMV_ROWS
+    assert native.covers(_decode_step([3, 5], 4, 16)[0]) == "step"
+    assert native.covers(_decode_step([3, 5, 6, 2], 4, 16)[0]) == "layers"  # 4 rows: past INFLIGHT_CPU_GEMV_ROWS
     prefill = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.zeros(1, 1, dtype=torch.int32),
                                 seq_lens=torch.tensor([3], dtype=torch.int32),
                                 cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), query_lens=[3],
                                 seq_lens_host=[3], max_query_len=3, max_seq_len=3)
-    assert not native.covers(prefill)
-    assert native.covers(_decode_step([3, 5], 4, 16)[0])
+    assert native.covers(prefill) is None
 
 
 def _generate(llm, prompts, max_tokens):
@@ -119,9 +120,10 @@ def _generate(llm, prompts, max_tokens):
 
 
 @needs_native
-def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path):
-    """Two prompts through prefill and decode (the 2-row decode steps go native), then one alone."""
-    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+@pytest.mark.parametrize("rows", ["3", "1"])  # 1: the two-row decode steps run layer by layer
+def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path, rows):
+    """Two prompts through prefill and decode, then the longer one alone."""
+    monkeypatch.setenv(GEMV_ROWS_ENV, rows)
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     prompts = [list(range(100, 109)), list(range(300, 340))]
     monkeypatch.setenv(native_decode.NATIVE_ENV, "0")
@@ -134,7 +136,8 @@ def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path):
     assert isinstance(forward, native_decode.NativeDecodeForward)
     got_tokens, got_logits = _generate(native, prompts, 12)
     assert got_tokens == want_tokens
-    assert forward.steps >= 10
+    assert forward.steps + forward.layered_steps >= 10
+    assert (forward.layered_steps > 0) == (rows == "1")
     assert len(got_logits) == len(want_logits)
     for g, w in zip(got_logits, want_logits):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
@@ -146,12 +149,17 @@ def test_switch_is_validated(monkeypatch):
         native_decode.native_choice()
 
 
-def test_not_for_bfloat16_or_without_dense_weights(monkeypatch):
+def test_not_for_bfloat16():
     model = _random_model(False, 16)
     assert native_decode.native_forward(model, torch.device("cpu"), torch.bfloat16) is None
-    monkeypatch.setenv(GEMV_ROWS_ENV, "0")
-    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
-    assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+
+
+@needs_native
+def test_without_dense_weights_every_decode_step_runs_layer_by_layer(monkeypatch, tmp_path):
+    model = _random_model(False, 16)
+    native = _native(model, monkeypatch, tmp_path, rows=0)
+    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # released: oneDNN's packed copy only
+    assert native.covers(_decode_step([3], 4, 16)[0]) == "layers"
 
 
 @needs_native

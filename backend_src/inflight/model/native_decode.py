@@ -108,33 +108,48 @@ def _torch_sgemm() -> int:
 
 class NativeDecodeForward:
     """Called like the model: (input_ids, positions, meta, kv_caches) -> final hidden states [tokens, hidden].
-    Steps the native call does not cover go to the model's own forward."""
+
+    Decode-only steps of up to max_rows rows run whole in decode_step(); other decode-only steps run layer by
+    layer with torch's linears (oneDNN's packed kernels there) and the native pieces between them; steps with
+    a prefill chunk go to the model's own forward. max_rows is 0 where the linears keep no dense weight."""
 
     def __init__(self, model: LlamaForCausalLM, library: str, gemm: int, max_rows: int):
         self.model = model
         cfg = model.cfg
-        self.max_rows = max_rows
-        self.lib = ctypes.CDLL(library)
-        self.lib.decode_step.restype = ctypes.c_int
-        self.lib.decode_step.argtypes = [ctypes.POINTER(_Model), ctypes.c_int] + [ctypes.c_void_p] * 8
+        self.max_rows = max_rows if gemm else 0
+        self.lib = lib = ctypes.CDLL(library)
+        pointer, c_int, c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.decode_step.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 8
+        lib.attention_rows.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 9
+        lib.add_rms_norm_rows.argtypes = [c_int, pointer, pointer, pointer, c_int, c_float, pointer]
+        lib.add_rms_norm_rows.restype = None
+        lib.silu_mul_rows.argtypes = [c_int, pointer, c_int, pointer]
+        lib.silu_mul_rows.restype = None
         weights = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        weights.append(model.norm.weight)
         for w in weights:
-            if w is not None and not (w.is_contiguous() and w.dtype == torch.float32 and w.numel()):
-                raise RuntimeError("the native decode step needs contiguous, dense float32 weights")
+            if w is None or (not w.numel() and not self.max_rows):  # a released dense weight: by layer only
+                continue
+            if not (w.is_contiguous() and w.dtype == torch.float32 and w.numel()):
+                raise RuntimeError("the native decode step needs contiguous float32 weights")
         self._weights = weights  # held: the native side keeps their addresses
-        self._weight_ptrs = (ctypes.c_void_p * len(weights))(*[0 if w is None else w.data_ptr() for w in weights])
+        ptrs = [0 if w is None else w.data_ptr() for w in weights]
+        self._norms = [(ptrs[i], ptrs[i + 4]) for i in range(0, len(ptrs) - 1, 7)]  # (input, post-attention)
+        self._weight_ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self.spec = _Model(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim, inter=cfg.intermediate_size, layers=cfg.num_layers,
                            eps=cfg.rms_norm_eps, scale=model.layers[0].self_attn.scale, gemm=gemm,
                            weights=ctypes.cast(self._weight_ptrs, ctypes.POINTER(ctypes.c_void_p)),
-                           final_norm=model.norm.weight.data_ptr())
+                           final_norm=ptrs[-1])
+        self._spec_ref = ctypes.byref(self.spec)
         self._cache_key: list = []
         self._cache_arrays = None
-        self.steps = 0  # native steps run, for tests and the log
+        self.steps = 0  # whole-step native calls, for tests and the log
+        self.layered_steps = 0  # decode steps run layer by layer
 
     def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Each layer's K and V cache address, as two C arrays; rebuilt only when the cache list changes."""
@@ -150,29 +165,67 @@ class NativeDecodeForward:
             self._cache_key = key
         return self._cache_arrays
 
-    def covers(self, meta: AttentionMetadata) -> bool:
-        return meta.max_query_len == 1 and meta.num_seqs <= self.max_rows
+    def covers(self, meta: AttentionMetadata) -> str | None:
+        """'step' (one native call), 'layers' (native pieces between torch's linears) or None (the model)."""
+        if meta.max_query_len != 1:
+            return None
+        return "step" if meta.num_seqs <= self.max_rows else "layers"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        if not self.covers(meta):
+        how = self.covers(meta)
+        if how is None:
             return self.model(input_ids, positions, meta, kv_caches)
         model, spec = self.model, self.spec
         x = model.embed_tokens(input_ids).contiguous()
         cos, sin = model.rope_cos_sin(positions)
+        cos, sin = cos.contiguous(), sin.contiguous()
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         spec.block_size, spec.table_width = kv_caches[0][0].shape[1], meta.block_tables.shape[1]
         spec.threads = torch.get_num_threads()
         tables = meta.block_tables.to(torch.int32).contiguous()  # no copy when already so (the usual case)
         lens = meta.seq_lens.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        rc = self.lib.decode_step(ctypes.byref(spec), x.shape[0], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  k_ptrs, v_ptrs, slots.data_ptr(), tables.data_ptr(), lens.data_ptr())
+        step = (cos.data_ptr(), sin.data_ptr())
+        rows = (slots.data_ptr(), tables.data_ptr(), lens.data_ptr())
+        if how == "step":
+            rc = self.lib.decode_step(self._spec_ref, x.shape[0], x.data_ptr(), *step, k_ptrs, v_ptrs, *rows)
+            self.steps += 1
+        else:
+            rc = self._by_layer(x, step, rows, k_ptrs, v_ptrs)
+            self.layered_steps += 1
         if rc != 0:
             raise MemoryError("the native decode step could not allocate its scratch memory")
-        self.steps += 1
         return x
+
+    def _by_layer(self, x: torch.Tensor, step, rows, k_ptrs, v_ptrs) -> int:
+        """The layers with torch's linears; x becomes the final hidden states. Returns decode_step()'s code."""
+        lib, cfg, n = self.lib, self.model.cfg, x.shape[0]
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        h = torch.empty_like(x)
+        att = x.new_empty(n, cfg.num_heads * cfg.head_dim)
+        act = x.new_empty(n, cfg.intermediate_size)
+        xp, hp, attp, actp = x.data_ptr(), h.data_ptr(), att.data_ptr(), act.data_ptr()
+        added = None  # the last down projection, added to the residual stream by the next norm
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            in_norm, post_norm = self._norms[i]
+            lib.add_rms_norm_rows(n, xp, None if added is None else added.data_ptr(), in_norm, hidden, eps, hp)
+            qkv = attn.qkv_proj(h)
+            rc = lib.attention_rows(self._spec_ref, n, qkv.data_ptr(), *step, k_ptrs[i], v_ptrs[i], *rows, attp)
+            if rc != 0:
+                return rc
+            # Each linear's output is held in a name until its call returns: a temporary would be freed (and its
+            # memory reused) before the native side reads it.
+            o = attn.o_proj(att)
+            lib.add_rms_norm_rows(n, xp, o.data_ptr(), post_norm, hidden, eps, hp)
+            gate_up = mlp.gate_up_proj(h)
+            lib.silu_mul_rows(n, gate_up.data_ptr(), cfg.intermediate_size, actp)
+            added = mlp.down_proj(act)
+        lib.add_rms_norm_rows(n, xp, added.data_ptr(), self._weight_ptrs[len(self._weight_ptrs) - 1], hidden, eps,
+                              hp)
+        x.copy_(h)
+        return 0
 
 
 def _linears(model: LlamaForCausalLM):
@@ -188,20 +241,16 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
     if sys.platform != "linux":
         log.info("native CPU decode step: not on %s", sys.platform)
         return None
+    # Whole steps need the dense weights that the few-row BLAS path keeps (model/linear.py) and torch's sgemm.
     max_rows = min(layer.gemv_rows for layer in _linears(model))
-    if max_rows < 1:
-        log.info("native CPU decode step: off, since the linears keep no dense weight (INFLIGHT_CPU_GEMV_ROWS=0 "
-                 "or the memory budget)")
-        return None
-    gemm = _torch_sgemm()
-    if not gemm:
-        log.warning("native CPU decode step: torch's library exports no sgemm; the forward stays in torch")
-        return None
+    gemm = _torch_sgemm() if max_rows else 0
+    if max_rows and not gemm:
+        log.warning("native CPU decode step: torch's library exports no sgemm; decode steps run layer by layer")
     try:
         library = build_library()
     except (RuntimeError, OSError) as exc:
-        log.warning("native CPU decode step unavailable (%s): one-row decode steps stay in torch (slower); "
-                    "%s=0 silences this", exc, NATIVE_ENV)
+        log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); %s=0 silences "
+                    "this", exc, NATIVE_ENV)
         return None
     return NativeDecodeForward(model, library, gemm, max_rows)
 

@@ -1,14 +1,17 @@
-/* One CPU decode step of a Llama-family decoder in float32: every layer in one call.
+/* The CPU decode step of a Llama-family decoder in float32, natively.
  *
  * Why native: at one to three rows the linears stream the weights at the machine's read bandwidth through
  * MKL's gemm (the same BLAS call torch's F.linear makes), but the ~40 torch calls per layer around them (norms,
  * RoPE, the K/V store, attention, SiLU-and-mul, residual adds) cost ~10 ms of a ~30 ms step in Python and
- * dispatch. Here they are plain loops between the same BLAS calls. Called through ctypes with the GIL
- * released; the BLAS function comes from the caller (torch's own MKL), so threads and bits match torch's.
+ * dispatch. decode_step() runs every layer in one call, plain loops between those BLAS calls; the BLAS
+ * function comes from the caller (torch's own MKL), so threads and bits match torch's. For more rows, where
+ * oneDNN's packed linears beat BLAS and stay in torch, the pieces between them are exported one by one:
+ * add_rms_norm_rows(), attention_rows() and silu_mul_rows(). Called through ctypes with the GIL released.
  *
  * The elementwise math follows llama.py operation for operation, and this file is built without FMA
  * contraction, so RoPE, residuals and the norm's scaling round as torch does; reductions (the norm's mean,
- * attention's dot products and softmax) sum in another order, which differs from torch within float32 rounding.
+ * attention's dot products and softmax) sum in another order, and exp is a polynomial: these differ from
+ * torch within float32 rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,10 +28,18 @@ typedef struct {
     int32_t hidden, heads, kv_heads, head_dim, inter, layers, block_size, table_width;
     int32_t threads; /* the OpenMP team for attention: torch's current width, so the governor's choice holds */
     float eps, scale;
-    sgemm_fn gemm;
-    const float *const *weights; /* W_PER_LAYER pointers per layer; W_QKV_BIAS may be NULL */
-    const float *final_norm;
+    sgemm_fn gemm;                /* decode_step() only */
+    const float *const *weights; /* decode_step() only: W_PER_LAYER pointers per layer; W_QKV_BIAS may be NULL */
+    const float *final_norm;     /* decode_step() only */
 } Model;
+
+/* Hot loops get one clone per instruction set and the loader picks one for this CPU (an ifunc): the library
+ * stays portable (no -march=native), so an image can build it once for every x86-64 host. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PER_ISA __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PER_ISA
+#endif
 
 /* y[n][out] = x[n][in] . w[out][in]^T (+ bias), as torch's addmm asks BLAS for it. */
 static void linear(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
@@ -49,6 +60,13 @@ static void rms_norm(const float *x, const float *w, int d, float eps, float *ou
     for (int i = 0; i < d; i++) out[i] = w[i] * (x[i] * r);
 }
 
+/* x [n][d] += add (when not NULL: the residual stream takes the last sublayer's output), then out = norm(x). */
+void add_rms_norm_rows(int n, float *x, const float *add, const float *w, int d, float eps, float *out) {
+    if (add)
+        for (int64_t i = 0; i < (int64_t)n * d; i++) x[i] = x[i] + add[i];
+    for (int r = 0; r < n; r++) rms_norm(x + (int64_t)r * d, w, d, eps, out + (int64_t)r * d);
+}
+
 /* Rotate-half RoPE in place on `count` heads of one token. */
 static void rope(float *x, int count, int d, const float *cos, const float *sin) {
     const int half = d / 2;
@@ -60,14 +78,6 @@ static void rope(float *x, int count, int d, const float *cos, const float *sin)
         }
     }
 }
-
-/* Hot loops get one clone per instruction set and the loader picks one for this CPU (an ifunc): the library
- * stays portable (no -march=native), so an image can build it once for every x86-64 host. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PER_ISA __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PER_ISA
-#endif
 
 /* 16 independent partial sums: the compiler vectorizes this without reassociating anything. */
 static inline float dot(const float *a, const float *b, int d) {
@@ -81,10 +91,12 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* e^x for x <= 0 (softmax weights), within ~2 ulp of expf, in plain float arithmetic so that a loop of it
- * vectorizes: x = n ln2 + r, e^r by Cephes' expf polynomial, 2^n put in the exponent bits. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f; /* e^-87 ~ 1.6e-38: still a normal float, and no weight that matters */
+/* e^x within ~2 ulp of expf, in plain float arithmetic so that a loop of it vectorizes: x = n ln2 + r, e^r by
+ * Cephes' expf polynomial, 2^n put in the exponent bits. Clamped to [-87, 88], where 2^n stays a normal float:
+ * e^-87 ~ 1.6e-38 is no softmax weight that matters, and SiLU is x / (1 + e^-x) ~ 0 or x there anyway. */
+static inline float exp_clamped(float x) {
+    if (x < -87.0f) x = -87.0f;
+    if (x > 88.0f) x = 88.0f;
     const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     const float n = (x * 1.44269504088896341f + shifter) - shifter;
     const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -99,46 +111,66 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-/* Split-K decoding: the context of one token is cut into chunks of CHUNK positions, each (kv head, chunk) is
- * one work item, and the OpenMP team (torch's, at the width the engine set) shares the items; a kv head's K and
- * V rows are read once for all the query heads of its group. Each item leaves, per query head, its max score,
- * its sum of weights and its weighted sum of V, which merge() combines exactly as one softmax would. */
+/* out [n][inter] = silu(gate) * up, from gate_up [n][2 * inter] (gate first, as the fused projection lays it). */
+PER_ISA void silu_mul_rows(int n, const float *gate_up, int inter, float *out) {
+    for (int r = 0; r < n; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        float *a = out + (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) a[i] = g[i] / (1.0f + exp_clamped(-g[i])) * u[i];
+    }
+}
+
+/* Split-K decoding: each row's context is cut into chunks of CHUNK positions, each (row, kv head, chunk) is one
+ * work item, and the OpenMP team (torch's, at the width the engine set) shares the items; a chunk's K and V rows
+ * are read from memory once for all the query heads of their group. Each item leaves, per query head, its max
+ * score, its sum of weights and its weighted sum of V, which merge_row() combines exactly as one softmax would,
+ * in a fixed order: the result does not depend on the team's width. */
 enum { CHUNK = 128 };
 
 typedef struct {
     const Model *m;
-    const float *q, *k_cache, *v_cache;
-    const int32_t *table;
-    int len, chunks;
-    float *partial; /* per item and query head of its group: max, sum, then head_dim floats of output */
+    const float *qkv; /* [n][q + 2 kv]: q of row r at qkv + r * qkv_size */
+    const float *k_cache, *v_cache;
+    const int32_t *tables, *lens;
+    int n, qkv_size;
+    const int64_t *first_item; /* [n + 1]: row r's items are first_item[r] .. first_item[r + 1] - 1 */
+    float *partial;            /* per item and query head of its group: max, sum, then head_dim floats of output */
 } Attention;
 
-PER_ISA static void attend_chunk(const Attention *a, int item) {
+static int chunks_of(int len) { return len <= 0 ? 0 : (len + CHUNK - 1) / CHUNK; }
+
+PER_ISA static void attend_item(const Attention *a, int64_t item) {
     const Model *m = a->m;
     const int d = m->head_dim, group = m->heads / m->kv_heads, kv_dim = m->kv_heads * d, bs = m->block_size;
-    const int g = item / a->chunks, first = (item % a->chunks) * CHUNK;
-    const int count = a->len - first < CHUNK ? a->len - first : CHUNK;
+    int r = 0;
+    while (item >= a->first_item[r + 1]) r++;
+    const int chunks = chunks_of(a->lens[r]);
+    const int64_t local = item - a->first_item[r];
+    const int g = (int)(local / chunks), first = (int)(local % chunks) * CHUNK;
+    const int count = a->lens[r] - first < CHUNK ? a->lens[r] - first : CHUNK;
+    const int32_t *table = a->tables + (int64_t)r * m->table_width;
+    const float *q = a->qkv + (int64_t)r * a->qkv_size;
     float scores[CHUNK];
     for (int h = 0; h < group; h++) {
-        const float *qh = a->q + (int64_t)(g * group + h) * d;
-        float *part = a->partial + ((int64_t)item * group + h) * (2 + d);
+        const float *qh = q + (int64_t)(g * group + h) * d;
+        float *part = a->partial + (item * group + h) * (2 + d);
         float mx = -INFINITY;
         for (int j = 0; j < count; j++) {
             const int pos = first + j;
-            const int64_t slot = (int64_t)a->table[pos / bs] * bs + pos % bs;
+            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
             scores[j] = dot(qh, a->k_cache + slot * kv_dim + (int64_t)g * d, d) * m->scale;
             if (scores[j] > mx) mx = scores[j];
         }
         float sum = 0.0f;
         for (int j = 0; j < count; j++) {
-            scores[j] = exp_nonpositive(scores[j] - mx);
+            scores[j] = exp_clamped(scores[j] - mx);
             sum += scores[j];
         }
         float *out = part + 2;
         memset(out, 0, sizeof(float) * d);
         for (int j = 0; j < count; j++) {
             const int pos = first + j;
-            const int64_t slot = (int64_t)a->table[pos / bs] * bs + pos % bs;
+            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
             const float *vh = a->v_cache + slot * kv_dim + (int64_t)g * d, p = scores[j];
             for (int i = 0; i < d; i++) out[i] += p * vh[i];
         }
@@ -147,22 +179,23 @@ PER_ISA static void attend_chunk(const Attention *a, int item) {
     }
 }
 
-static void merge(const Attention *a, float *out) {
+/* Row r's output [heads * d] from its items' partial results (zeros for a row with no context). */
+static void merge_row(const Attention *a, int r, float *out) {
     const Model *m = a->m;
-    const int d = m->head_dim, group = m->heads / m->kv_heads;
+    const int d = m->head_dim, group = m->heads / m->kv_heads, chunks = chunks_of(a->lens[r]);
     for (int head = 0; head < m->heads; head++) {
-        const int g = head / group, h = head % group;
-        const float *first = a->partial + ((int64_t)(g * a->chunks) * group + h) * (2 + d);
-        float mx = -INFINITY;
-        for (int c = 0; c < a->chunks; c++) {
-            const float cm = first[(int64_t)c * group * (2 + d)];
-            if (cm > mx) mx = cm;
-        }
-        float *oh = out + (int64_t)head * d, sum = 0.0f;
+        float *oh = out + (int64_t)head * d;
         memset(oh, 0, sizeof(float) * d);
-        for (int c = 0; c < a->chunks; c++) {
-            const float *part = first + (int64_t)c * group * (2 + d);
-            const float w = a->chunks == 1 ? 1.0f : expf(part[0] - mx);
+        if (!chunks) continue;
+        const int g = head / group, h = head % group;
+        const float *first = a->partial + ((a->first_item[r] + (int64_t)g * chunks) * group + h) * (2 + d);
+        const int64_t stride = (int64_t)group * (2 + d);
+        float mx = -INFINITY, sum = 0.0f;
+        for (int c = 0; c < chunks; c++)
+            if (first[c * stride] > mx) mx = first[c * stride];
+        for (int c = 0; c < chunks; c++) {
+            const float *part = first + c * stride;
+            const float w = chunks == 1 ? 1.0f : expf(part[0] - mx);
             sum += w * part[1];
             for (int i = 0; i < d; i++) oh[i] += w * part[2 + i];
         }
@@ -171,74 +204,74 @@ static void merge(const Attention *a, float *out) {
     }
 }
 
-/* One token's attention over its first `len` cached tokens, all heads; out [heads * d]. partial: scratch for
- * kv_heads * ceil(len / CHUNK) * group * (2 + head_dim) floats. */
-static void attend(const Model *m, const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int len, float *partial, float *out) {
-    if (len <= 0) {
-        memset(out, 0, sizeof(float) * m->heads * m->head_dim);
-        return;
+/* One decode token per row: RoPE on q and k in place in qkv [n][q + 2 kv], the row's K and V stored at its slot
+ * (-1: not stored), then attention over its first lens[r] cached tokens into out [n][q]. cos, sin [n][head_dim];
+ * caches [blocks][block_size][kv_heads][head_dim]; tables [n][table_width].
+ * Returns 0, or -1 when scratch memory could not be had (nothing attended). */
+int attention_rows(const Model *m, int n, float *qkv, const float *cos, const float *sin, float *k_cache,
+                   float *v_cache, const int64_t *slots, const int32_t *tables, const int32_t *lens, float *out) {
+    const int d = m->head_dim, q_size = m->heads * d, kv_dim = m->kv_heads * d, qkv_size = q_size + 2 * kv_dim;
+    const int group = m->heads / m->kv_heads;
+    for (int r = 0; r < n; r++) {
+        float *row = qkv + (int64_t)r * qkv_size;
+        rope(row, m->heads + m->kv_heads, d, cos + (int64_t)r * d, sin + (int64_t)r * d);
+        if (slots[r] >= 0) {
+            memcpy(k_cache + slots[r] * kv_dim, row + q_size, sizeof(float) * kv_dim);
+            memcpy(v_cache + slots[r] * kv_dim, row + q_size + kv_dim, sizeof(float) * kv_dim);
+        }
     }
-    const Attention a = {m, q, k_cache, v_cache, table, len, (len + CHUNK - 1) / CHUNK, partial};
-    const int items = m->kv_heads * a.chunks;
-    /* Short contexts stay on this thread: waking the team costs more than the work. */
-#pragma omp parallel for schedule(static) num_threads(m->threads) if (len > 2 * CHUNK)
-    for (int item = 0; item < items; item++) attend_chunk(&a, item);
-    merge(&a, out);
+    int64_t *first_item = malloc(sizeof(int64_t) * (n + 1));
+    if (!first_item) return -1;
+    first_item[0] = 0;
+    int64_t positions = 0;
+    for (int r = 0; r < n; r++) {
+        first_item[r + 1] = first_item[r] + (int64_t)m->kv_heads * chunks_of(lens[r]);
+        positions += lens[r] > 0 ? lens[r] : 0;
+    }
+    const int64_t items = first_item[n];
+    float *partial = malloc(sizeof(float) * (items * group * (2 + d) + 1));
+    if (!partial) {
+        free(first_item);
+        return -1;
+    }
+    const Attention a = {m, qkv, k_cache, v_cache, tables, lens, n, qkv_size, first_item, partial};
+    /* A short context on one row stays on this thread: waking the team costs more than the work. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(m->threads) if (positions > 2 * CHUNK)
+    for (int64_t item = 0; item < items; item++) attend_item(&a, item);
+    for (int r = 0; r < n; r++) merge_row(&a, r, out + (int64_t)r * q_size);
+    free(partial);
+    free(first_item);
+    return 0;
 }
 
-/* x [n][hidden]: the embeddings in, the final-normed hidden states out. cos, sin [n][head_dim]; k_caches,
- * v_caches: each layer's [blocks][block_size][kv_heads][head_dim]; slots [n] (-1: not stored); tables
- * [n][table_width]; lens [n] (context length including this token).
- * Returns 0, or -1 when scratch memory could not be had (x is then unchanged). */
+/* The whole step: x [n][hidden], the embeddings in, the final-normed hidden states out; k_caches, v_caches:
+ * each layer's cache; the rest as attention_rows() takes it.
+ * Returns 0, or -1 when scratch memory could not be had. */
 int decode_step(const Model *m, int n, float *x, const float *cos, const float *sin, float *const *k_caches,
                 float *const *v_caches, const int64_t *slots, const int32_t *tables, const int32_t *lens) {
-    const int hd = m->hidden, d = m->head_dim, q_size = m->heads * d, kv_dim = m->kv_heads * d;
+    const int hd = m->hidden, q_size = m->heads * m->head_dim, kv_dim = m->kv_heads * m->head_dim;
     const int qkv_size = q_size + 2 * kv_dim, inter = m->inter;
-    int max_len = 1;
-    for (int r = 0; r < n; r++)
-        if (lens[r] > max_len) max_len = lens[r];
-    const int64_t partial = (int64_t)m->heads * ((max_len + CHUNK - 1) / CHUNK) * (2 + d);
-    const int64_t floats = (int64_t)n * (2 * hd + qkv_size + q_size + 3 * inter) + partial;
+    const int64_t floats = (int64_t)n * (2 * hd + qkv_size + q_size + 3 * inter);
     float *scratch = malloc(sizeof(float) * floats);
     if (!scratch) return -1;
     float *h = scratch, *qkv = h + (int64_t)n * hd, *att = qkv + (int64_t)n * qkv_size;
     float *gu = att + (int64_t)n * q_size, *act = gu + (int64_t)n * 2 * inter, *y = act + (int64_t)n * inter;
-    float *partial_out = y + (int64_t)n * hd;
-
-    for (int l = 0; l < m->layers; l++) {
+    int rc = 0;
+    for (int l = 0; l < m->layers && rc == 0; l++) {
         const float *const *w = m->weights + (int64_t)l * W_PER_LAYER;
-        float *kc = k_caches[l], *vc = v_caches[l];
-        for (int r = 0; r < n; r++) rms_norm(x + (int64_t)r * hd, w[W_IN_NORM], hd, m->eps, h + (int64_t)r * hd);
+        add_rms_norm_rows(n, x, l ? y : NULL, w[W_IN_NORM], hd, m->eps, h);
         linear(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
-        for (int r = 0; r < n; r++) {
-            float *row = qkv + (int64_t)r * qkv_size;
-            rope(row, m->heads + m->kv_heads, d, cos + (int64_t)r * d, sin + (int64_t)r * d);
-            if (slots[r] >= 0) {
-                memcpy(kc + slots[r] * kv_dim, row + q_size, sizeof(float) * kv_dim);
-                memcpy(vc + slots[r] * kv_dim, row + q_size + kv_dim, sizeof(float) * kv_dim);
-            }
-        }
-        for (int r = 0; r < n; r++)
-            attend(m, qkv + (int64_t)r * qkv_size, kc, vc, tables + (int64_t)r * m->table_width, lens[r], partial_out,
-                   att + (int64_t)r * q_size);
+        rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
         linear(m, n, att, q_size, w[W_O], NULL, hd, y);
-        for (int64_t i = 0; i < (int64_t)n * hd; i++) x[i] = x[i] + y[i];
-        for (int r = 0; r < n; r++)
-            rms_norm(x + (int64_t)r * hd, w[W_POST_NORM], hd, m->eps, h + (int64_t)r * hd);
+        add_rms_norm_rows(n, x, y, w[W_POST_NORM], hd, m->eps, h);
         linear(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
-        for (int r = 0; r < n; r++) {
-            const float *g = gu + (int64_t)r * 2 * inter, *u = g + inter;
-            float *a = act + (int64_t)r * inter;
-            for (int i = 0; i < inter; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        silu_mul_rows(n, gu, inter, act);
         linear(m, n, act, inter, w[W_DOWN], NULL, hd, y);
-        for (int64_t i = 0; i < (int64_t)n * hd; i++) x[i] = x[i] + y[i];
     }
-    for (int r = 0; r < n; r++) {
-        rms_norm(x + (int64_t)r * hd, m->final_norm, hd, m->eps, h + (int64_t)r * hd);
-        memcpy(x + (int64_t)r * hd, h + (int64_t)r * hd, sizeof(float) * hd);
+    if (rc == 0) {
+        add_rms_norm_rows(n, x, y, m->final_norm, hd, m->eps, h);
+        memcpy(x, h, sizeof(float) * n * hd);
     }
     free(scratch);
-    return 0;
+    return rc;
 }
