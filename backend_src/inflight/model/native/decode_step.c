@@ -85,9 +85,11 @@ static inline float dot(const float *a, const float *b, int d) {
     int i = 0;
     for (; i + 16 <= d; i += 16)
         for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
-    float s = 0.0f;
+    /* Halving adds rather than 16 in a row: each step is one vector add. */
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    float s = acc[0];
     for (; i < d; i++) s += a[i] * b[i];
-    for (int l = 0; l < 16; l++) s += acc[l];
     return s;
 }
 
@@ -150,15 +152,23 @@ PER_ISA static void attend_item(const Attention *a, int64_t item) {
     const int count = a->lens[r] - first < CHUNK ? a->lens[r] - first : CHUNK;
     const int32_t *table = a->tables + (int64_t)r * m->table_width;
     const float *q = a->qkv + (int64_t)r * a->qkv_size;
+    /* Where each position's K and V rows of this kv head are, found once for the whole group (walking the
+     * block table: a division per position per head cost more than the dot products). */
+    int64_t offset[CHUNK];
+    for (int j = 0, block = first / bs, in_block = first % bs; j < count; j++) {
+        offset[j] = ((int64_t)table[block] * bs + in_block) * kv_dim + (int64_t)g * d;
+        if (++in_block == bs) {
+            in_block = 0;
+            block++;
+        }
+    }
     float scores[CHUNK];
     for (int h = 0; h < group; h++) {
         const float *qh = q + (int64_t)(g * group + h) * d;
         float *part = a->partial + (item * group + h) * (2 + d);
         float mx = -INFINITY;
         for (int j = 0; j < count; j++) {
-            const int pos = first + j;
-            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
-            scores[j] = dot(qh, a->k_cache + slot * kv_dim + (int64_t)g * d, d) * m->scale;
+            scores[j] = dot(qh, a->k_cache + offset[j], d) * m->scale;
             if (scores[j] > mx) mx = scores[j];
         }
         float sum = 0.0f;
@@ -169,9 +179,7 @@ PER_ISA static void attend_item(const Attention *a, int64_t item) {
         float *out = part + 2;
         memset(out, 0, sizeof(float) * d);
         for (int j = 0; j < count; j++) {
-            const int pos = first + j;
-            const int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;
-            const float *vh = a->v_cache + slot * kv_dim + (int64_t)g * d, p = scores[j];
+            const float *vh = a->v_cache + offset[j], p = scores[j];
             for (int i = 0; i < d; i++) out[i] += p * vh[i];
         }
         part[0] = mx;
