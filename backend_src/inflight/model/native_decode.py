@@ -1,15 +1,16 @@
-"""The CPU decode step in one native call (native/decode_step.c), for steps of a few float32 decode rows.
+"""The CPU decode step natively (native/decode_step.c): float32 decode-only steps, in one call or layer by layer.
 
 Why: a one-row CPU step of SmolLM2 spends ~20 ms in its linears, which stream the weights at the memory's read
 bandwidth, and ~10 ms in the ~40 torch calls per layer around them. decode_step.c runs a whole step (every
 layer's norms, RoPE, K/V store, attention, SiLU-and-mul and residuals) as plain loops between the same BLAS
 calls torch makes (MKL's sgemm, looked up in torch's own library, so threads and results are torch's).
 
-Used for a step when all of its rows decode, there are at most INFLIGHT_CPU_GEMV_ROWS of them (the rows for
-which the linears take BLAS on the dense weight anyway, model/linear.py), and the model is float32 on CPU;
-every other step runs llama.py's forward. INFLIGHT_CPU_NATIVE=0 turns it off. The library is compiled on first
-use with the system's C compiler (a fraction of a second) into a cache directory; with no compiler, or if the
-build fails, the forward stays in torch and a warning says why.
+A decode-only step of at most INFLIGHT_CPU_GEMV_ROWS rows (the rows for which the linears take BLAS on the kept
+dense weight anyway, model/linear.py) runs whole in one call. A larger decode-only step, where oneDNN's packed
+linears are faster, runs layer by layer: torch's linears with the native pieces between them. Steps with a
+prefill chunk run llama.py's forward. INFLIGHT_CPU_NATIVE=0 turns all of it off. The library is compiled on
+first use with the system's C compiler (a fraction of a second) into a cache directory; with no compiler, or if
+the build fails, the forward stays in torch and a warning says why. docs/cpu.md has the measurements.
 """
 from __future__ import annotations
 
@@ -252,7 +253,10 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
         log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); %s=0 silences "
                     "this", exc, NATIVE_ENV)
         return None
-    return NativeDecodeForward(model, library, gemm, max_rows)
+    forward = NativeDecodeForward(model, library, gemm, max_rows)
+    log.info("native CPU decode step (%s): whole steps up to %d rows, layer by layer above", library,
+             forward.max_rows)
+    return forward
 
 
 def main() -> None:
