@@ -2,6 +2,7 @@
 same hidden states within float32 rounding, the same K/V written to the same slots and nothing else, greedy
 tokens unchanged through the engine, and a clean fallback where it does not apply or cannot be built."""
 import logging
+import shutil
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from inflight.model import ModelConfig, LlamaForCausalLM, native_decode
 from inflight.model import linear as linear_mod
 from inflight.model.linear import GEMV_ROWS_ENV
 
-needs_native = pytest.mark.skipif(linear_mod._ONEDNN is None or not native_decode._torch_sgemm(),
-                                  reason="needs torch's oneDNN linear and an exported sgemm")
+needs_native = pytest.mark.skipif(
+    linear_mod._ONEDNN is None or not native_decode._torch_sgemm() or shutil.which("cc") is None,
+    reason="needs torch's oneDNN linear, an exported sgemm and a C compiler (cc)")
 
 
 def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
