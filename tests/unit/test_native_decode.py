@@ -176,6 +176,19 @@ def test_without_a_compiler_the_forward_stays_in_torch(monkeypatch, tmp_path, ca
     assert "no C compiler (no-such-compiler-here)" in caplog.text and "INFLIGHT_CPU_NATIVE=0" in caplog.text
 
 
+@needs_native
+def test_a_library_that_does_not_load_leaves_the_forward_in_torch(monkeypatch, tmp_path, caplog):
+    model = _random_model(False, 16)
+    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    broken = tmp_path / "decode_step-broken.so"
+    broken.write_text("not a shared library")
+    monkeypatch.setattr(native_decode, "build_library", lambda: str(broken))
+    with caplog.at_level(logging.WARNING):
+        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+    assert "native CPU decode step unavailable" in caplog.text and str(broken) in caplog.text
+
+
 def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     first = native_decode.build_library()

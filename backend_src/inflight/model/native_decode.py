@@ -118,6 +118,7 @@ class NativeDecodeForward:
         self.model = model
         cfg = model.cfg
         self.max_rows = max_rows if gemm else 0
+        self.library = library
         self.lib = lib = ctypes.CDLL(library)
         pointer, c_int, c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.decode_step.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 8
@@ -223,8 +224,7 @@ class NativeDecodeForward:
             gate_up = mlp.gate_up_proj(h)
             lib.silu_mul_rows(n, gate_up.data_ptr(), cfg.intermediate_size, actp)
             added = mlp.down_proj(act)
-        lib.add_rms_norm_rows(n, xp, added.data_ptr(), self._weight_ptrs[len(self._weight_ptrs) - 1], hidden, eps,
-                              hp)
+        lib.add_rms_norm_rows(n, xp, added.data_ptr(), self.spec.final_norm, hidden, eps, hp)
         x.copy_(h)
         return 0
 
@@ -248,13 +248,13 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
     if max_rows and not gemm:
         log.warning("native CPU decode step: torch's library exports no sgemm; decode steps run layer by layer")
     try:
-        library = build_library()
+        # Loading can fail too: a cache directory on a noexec mount, a foreign file under the library's name.
+        forward = NativeDecodeForward(model, build_library(), gemm, max_rows)
     except (RuntimeError, OSError) as exc:
         log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); %s=0 silences "
                     "this", exc, NATIVE_ENV)
         return None
-    forward = NativeDecodeForward(model, library, gemm, max_rows)
-    log.info("native CPU decode step (%s): whole steps up to %d rows, layer by layer above", library,
+    log.info("native CPU decode step (%s): whole steps up to %d rows, layer by layer above", forward.library,
              forward.max_rows)
     return forward
 
