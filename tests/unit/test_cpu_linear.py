@@ -94,11 +94,42 @@ def test_dense_weights_are_released_when_they_would_not_fit_the_memory_budget(mo
     assert GEMV_ROWS_ENV in caplog.text and "quarter of the memory available" in caplog.text
 
 
-def test_bfloat16_keeps_no_dense_copy(monkeypatch):
+def test_bfloat16_keeps_no_dense_copy_and_computes_the_same(monkeypatch):
+    # On a CPU whose oneDNN packs bf16 the layer is packed; on one that cannot (AVX2-only, e.g. AMD Zen 2) it
+    # stays on BLAS with its dense weight. Either way there is no second copy and the numbers are F.linear's.
     monkeypatch.setenv(GEMV_ROWS_ENV, "3")
-    layer = Linear(8, 4, bias=False).to(torch.bfloat16)
-    select_cpu_gemm(layer, torch.device("cpu"), torch.bfloat16)
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=True).to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    choice = select_cpu_gemm(layer, torch.device("cpu"), torch.bfloat16)
+    assert choice == ("onednn" if linear_mod.onednn_packs(torch.bfloat16) else "blas")
     assert layer.gemv_rows == 0
+    assert (layer.packed_weight is None) == (choice == "blas")
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
+
+
+def test_a_dtype_onednn_cannot_pack_here_takes_blas(monkeypatch):
+    # What an AVX2-only CPU does with bf16 (the reorder raises there), shown for float32 on any CPU.
+    monkeypatch.setitem(linear_mod._PACKS, torch.float32, False)
+    layer = Linear(16, 8)
+    assert select_cpu_gemm(layer, torch.device("cpu"), torch.float32) == "blas"
+    assert layer.packed_weight is None and layer.weight.shape == (8, 16) and layer.gemv_rows == 0
+
+
+@needs_onednn
+def test_the_pack_probe_remembers_a_refusal(monkeypatch):
+    calls = []
+
+    def refuse(weight, rows):
+        calls.append(weight.dtype)
+        raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(linear_mod, "_PACKS", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    assert not linear_mod.onednn_packs(torch.float16) and not linear_mod.onednn_packs(torch.float16)
+    assert calls == [torch.float16]
 
 
 @pytest.mark.parametrize("raw", ["-1", "65", "two"])

@@ -90,12 +90,28 @@ def _available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-_ONEDNN = _onednn_linear()
-
-
 # Rows the packed layout is tuned for: a CPU decode batch (max_num_seqs 16 here); oneDNN stays correct,
 # and near this speed, for any row count.
 PACK_ROWS_HINT = 16
+_ONEDNN = _onednn_linear()
+_PACKS: dict[torch.dtype, bool] = {}
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack and run a linear in this dtype on this CPU. bf16 needs avx512bw/vl/dq or
+    avx_ne_convert (an AVX2-only CPU such as AMD's Zen 2 refuses it at the reorder); such a dtype takes BLAS."""
+    if _ONEDNN is None:
+        return False
+    if dtype not in _PACKS:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 2, dtype=dtype), PACK_ROWS_HINT)
+            _ONEDNN(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
+            _PACKS[dtype] = True
+        except RuntimeError as exc:
+            log.info("CPU linears: oneDNN cannot pack %s on this CPU (%s); %s takes BLAS", dtype,
+                     str(exc).splitlines()[0], dtype)
+            _PACKS[dtype] = False
+    return _PACKS[dtype]
 
 
 @torch.library.custom_op("inflight::onednn_linear", mutates_args=())
@@ -151,7 +167,8 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     path (float32, INFLIGHT_CPU_GEMV_ROWS > 0, within the memory budget above) and otherwise released, so the
     model does not hold its weights twice, unless another module shares it (a tied lm_head).
     """
-    use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemm_choice() == "onednn")
+    use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemm_choice() == "onednn"
+           and onednn_packs(dtype))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
     few_rows = gemv_rows() if use and dtype == torch.float32 else 0
