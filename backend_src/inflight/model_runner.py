@@ -17,6 +17,7 @@ from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
 from .model import cpu_forward, native_decode
 from .model.fused_forward import fused_forward
+from .model.linear import release_dense_weights
 from .sequence import Sequence
 from .step_timer import NULL_TIMER
 
@@ -77,7 +78,10 @@ class ModelRunner:
             return functools.partial(fused_forward, self.model)
         if self.device.type == "cpu" and cpu_forward.compile_choice():
             return cpu_forward.CompiledCPUForward(self.model)
-        return native_decode.native_forward(self.model, self.device, self.dtype) or self.model
+        forward = native_decode.native_forward(self.model, self.device, self.dtype)
+        if forward is None and self.device.type == "cpu":
+            release_dense_weights(self.model)  # kept for the native step, where Linear does not take BLAS (AMD)
+        return forward or self.model
 
     def enable_static_decode(self, capture: bool) -> None:
         """Route all-one-token steps through padded static buffers (cuda_graphs.py); capture=True (CUDA)

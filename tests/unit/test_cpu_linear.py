@@ -139,9 +139,14 @@ def test_gemv_rows_out_of_range_names_the_variable_and_range(monkeypatch, raw):
         gemv_rows()
 
 
-@pytest.mark.parametrize("vendor, rows", [("GenuineIntel", 3), ("AuthenticAMD", 0), ("", 0)])
-def test_the_few_row_default_is_on_for_intel_only_and_the_variable_overrides_it(monkeypatch, vendor, rows):
+@pytest.mark.parametrize("vendor, blas", [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)])
+def test_dense_weights_are_kept_everywhere_but_linear_takes_blas_on_intel_only(monkeypatch, vendor, blas):
     monkeypatch.setattr(linear_mod, "cpu_vendor", lambda: vendor)
-    assert gemv_rows() == rows
+    assert gemv_rows() == 3
     monkeypatch.setenv(GEMV_ROWS_ENV, "2")
     assert gemv_rows() == 2
+    layer = Linear(16, 8)
+    select_cpu_gemm(layer, torch.device("cpu"), torch.float32)
+    assert layer.weight.shape == (8, 16) and layer.gemv_rows == (2 if blas else 0)
+    linear_mod.release_dense_weights(layer)
+    assert layer.weight.numel() == (8 * 16 if blas else 0)  # released only where Linear does not read it

@@ -32,13 +32,17 @@ def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
     return model
 
 
-def _native(model, monkeypatch, tmp_path, rows=3):
-    """The native forward with whole steps up to `rows` rows (0: every decode step layer by layer)."""
+def _native(model, monkeypatch, tmp_path, rows=3, blas=True):
+    """The native forward with whole steps up to `rows` rows (0: every decode step layer by layer), their linears
+    through torch's sgemm (blas) or decode_step.c's own few-row product."""
+    monkeypatch.setattr(linear_mod, "few_row_blas", lambda: blas)
+    monkeypatch.setattr(native_decode, "few_row_blas", lambda: blas)
     monkeypatch.setenv(GEMV_ROWS_ENV, str(rows))
     monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
     linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
     forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32)
     assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == rows
+    assert bool(forward.spec.gemm) == (blas and rows > 0)
     return forward
 
 
@@ -61,11 +65,12 @@ def _decode_step(lens, block_size, num_blocks):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [3, 0])  # 3: one native call; 0: layer by layer around oneDNN's linears
+# 3: one native call, its linears through BLAS or (3, False: AMD's default) its own product; 0: layer by layer
+@pytest.mark.parametrize("rows,blas", [(3, True), (3, False), (0, True)])
 @pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24)])  # 24: a dot product with a tail
-def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim, rows):
+def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim, rows, blas):
     model = _random_model(qkv_bias, head_dim)
-    native = _native(model, monkeypatch, tmp_path, rows)
+    native = _native(model, monkeypatch, tmp_path, rows, blas)
     block_size, num_blocks = 4, 16
     meta, positions = _decode_step([1, 11, 7], block_size, num_blocks)
     shape = (num_blocks, block_size, 2, head_dim)
@@ -227,3 +232,13 @@ def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width
         torch.set_num_threads(threads)
     torch.testing.assert_close(results[0][:2], want[:2], rtol=1e-5, atol=1e-5)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_native
+@pytest.mark.parametrize("blas", [False, True])
+def test_dense_copies_are_released_where_nothing_reads_them(monkeypatch, blas):
+    # Where Linear takes no BLAS (AMD), the dense copies serve the native step alone: with it off they go.
+    monkeypatch.setattr(linear_mod, "few_row_blas", lambda: blas)
+    monkeypatch.setenv(native_decode.NATIVE_ENV, "0")
+    down = LLM(TINY, num_kv_blocks=16).engine.runner.model.layers[0].mlp.down_proj
+    assert down.packed_weight is not None and (down.weight.numel() > 0) == blas

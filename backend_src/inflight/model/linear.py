@@ -10,10 +10,12 @@ the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, i
 machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
 project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
 faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
-one and take BLAS up to INFLIGHT_CPU_GEMV_ROWS rows (default 3 on Intel CPUs, where it was measured, and 0
-elsewhere, since MKL may take generic code paths on other vendors' CPUs; 0 releases the dense weight as
-before). The cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared anyway); where
-that would exceed a quarter of the memory available at load, the dense copies are released and a warning says so.
+one for up to INFLIGHT_CPU_GEMV_ROWS rows (default 3; 0 releases it). On Intel CPUs Linear takes BLAS there; on
+others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD EPYC), so
+only the native decode step reads the dense weight, through its own product (model/native_decode.py); where that
+step does not load, the copies are released. The cost is memory: the linears' weights twice (425 MB for SmolLM2,
+whose tied lm_head is shared anyway); where that would exceed a quarter of the memory available at load, the
+dense copies are released and a warning says so.
 """
 from __future__ import annotations
 
@@ -66,10 +68,9 @@ def cpu_vendor() -> str:
 
 
 def gemv_rows() -> int:
-    """Up to how many rows float32 linears take BLAS on the dense weight (INFLIGHT_CPU_GEMV_ROWS; 0: never).
-    The default is DEFAULT_GEMV_ROWS on Intel CPUs only: MKL's speed elsewhere was not measured."""
-    default = DEFAULT_GEMV_ROWS if cpu_vendor() == "GenuineIntel" else 0
-    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(default)
+    """Up to how many rows float32 linears keep a dense weight for the few-row path (INFLIGHT_CPU_GEMV_ROWS;
+    0: release it): BLAS where that is fast (few_row_blas), the native decode step's own product in any case."""
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(DEFAULT_GEMV_ROWS)
     try:
         rows = int(raw)
     except ValueError:
@@ -77,6 +78,13 @@ def gemv_rows() -> int:
     if not 0 <= rows <= MAX_GEMV_ROWS:
         raise ValueError(f"{GEMV_ROWS_ENV}={raw!r} is not a whole number of rows in 0..{MAX_GEMV_ROWS}")
     return rows
+
+
+def few_row_blas() -> bool:
+    """Whether Linear itself takes BLAS at a few rows: on Intel CPUs, where MKL's sgemv was measured fastest. On
+    AMD's (this project's EPYC) MKL took 1.5-2.5x oneDNN's time, so there only the native step uses the dense
+    weight, through its own product."""
+    return cpu_vendor() == "GenuineIntel"
 
 
 def _available_memory_bytes() -> int:
@@ -189,5 +197,15 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
             layer.packed_weight = None
         if use and not few_rows and id(layer.weight) not in shared and layer.weight.numel():
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
-        layer.gemv_rows = few_rows if use and layer.weight.numel() else 0
+        layer.gemv_rows = few_rows if use and layer.weight.numel() and few_row_blas() else 0
     return "onednn" if use else ("blas" if device.type == "cpu" else "cuda")
+
+
+def release_dense_weights(model: nn.Module) -> None:
+    """Drop the dense copies kept beside oneDNN's packed weights where no Linear reads them (gemv_rows 0): what
+    select_cpu_gemm kept for a native decode step that then did not load."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    for layer in model.modules():
+        if (isinstance(layer, Linear) and layer.packed_weight is not None and not layer.gemv_rows
+                and id(layer.weight) not in shared and layer.weight.numel()):
+            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)

@@ -3,10 +3,11 @@
 Why: a one-row CPU step of SmolLM2 spends ~20 ms in its linears, which stream the weights at the memory's read
 bandwidth, and ~10 ms in the ~40 torch calls per layer around them. decode_step.c runs a whole step (every
 layer's norms, RoPE, K/V store, attention, SiLU-and-mul and residuals) as plain loops between the same BLAS
-calls torch makes (MKL's sgemm, looked up in torch's own library, so threads and results are torch's).
+calls torch makes (MKL's sgemm, looked up in torch's own library, so threads and results are torch's), or, on
+CPUs where MKL is slow at a few rows (AMD's; model/linear.py), its own few-row product over the same dense weights.
 
-A decode-only step of at most INFLIGHT_CPU_GEMV_ROWS rows (the rows for which the linears take BLAS on the kept
-dense weight anyway, model/linear.py) runs whole in one call. A larger decode-only step, where oneDNN's packed
+A decode-only step of at most INFLIGHT_CPU_GEMV_ROWS rows (the rows for which the linears keep a dense weight,
+model/linear.py) runs whole in one call. A larger decode-only step, where oneDNN's packed
 linears are faster, runs layer by layer: torch's linears with the native pieces between them. Steps with a
 prefill chunk run llama.py's forward. INFLIGHT_CPU_NATIVE=0 turns all of it off. The library is compiled on
 first use with the system's C compiler (a fraction of a second) into a cache directory; with no compiler, or if
@@ -26,6 +27,7 @@ import tempfile
 import torch
 
 from ..attention import AttentionMetadata
+from .linear import few_row_blas, gemv_rows
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -112,12 +114,13 @@ class NativeDecodeForward:
 
     Decode-only steps of up to max_rows rows run whole in decode_step(); other decode-only steps run layer by
     layer with torch's linears (oneDNN's packed kernels there) and the native pieces between them; steps with
-    a prefill chunk go to the model's own forward. max_rows is 0 where the linears keep no dense weight."""
+    a prefill chunk go to the model's own forward. max_rows is 0 where the linears keep no dense weight; gemm is
+    the BLAS sgemm whole steps call, or 0 for decode_step.c's own few-row product."""
 
     def __init__(self, model: LlamaForCausalLM, library: str, gemm: int, max_rows: int):
         self.model = model
         cfg = model.cfg
-        self.max_rows = max_rows if gemm else 0
+        self.max_rows = max_rows
         self.library = library
         self.lib = lib = ctypes.CDLL(library)
         pointer, c_int, c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -242,11 +245,10 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
     if sys.platform != "linux":
         log.info("native CPU decode step: not on %s", sys.platform)
         return None
-    # Whole steps need the dense weights that the few-row BLAS path keeps (model/linear.py) and torch's sgemm.
-    max_rows = min(layer.gemv_rows for layer in _linears(model))
-    gemm = _torch_sgemm() if max_rows else 0
-    if max_rows and not gemm:
-        log.warning("native CPU decode step: torch's library exports no sgemm; decode steps run layer by layer")
+    # Whole steps need the dense weights that select_cpu_gemm keeps for the few-row path (model/linear.py), and
+    # torch's sgemm where Linear takes BLAS there too (Intel), else decode_step.c's own product.
+    max_rows = gemv_rows() if all(layer.weight.numel() for layer in _linears(model)) else 0
+    gemm = _torch_sgemm() if max_rows and few_row_blas() else 0
     try:
         # Loading can fail too: a cache directory on a noexec mount, a foreign file under the library's name.
         forward = NativeDecodeForward(model, build_library(), gemm, max_rows)
@@ -254,8 +256,8 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
         log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); %s=0 silences "
                     "this", exc, NATIVE_ENV)
         return None
-    log.info("native CPU decode step (%s): whole steps up to %d rows, layer by layer above", forward.library,
-             forward.max_rows)
+    log.info("native CPU decode step (%s): whole steps up to %d rows (%s), layer by layer above", forward.library,
+             forward.max_rows, "BLAS" if gemm else "its own product")
     return forward
 
 
