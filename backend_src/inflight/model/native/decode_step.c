@@ -46,7 +46,7 @@ static inline float dot(const float *a, const float *b, int d);
 
 /* y[n][out] = x[n][in] . w[out][in]^T for a few rows, without BLAS: each thread of the team streams its share of
  * the weight's rows once, for all n inputs. For CPUs where the BLAS torch links is slow at a few rows (MKL on
- * AMD's: two to three times oneDNN's time here), this reads the weights near the memory's bandwidth. */
+ * AMD's: 1.5-2.5x oneDNN's time on this project's EPYC), this reads the weights near the memory's bandwidth. */
 PER_ISA static void few_rows_range(int n, const float *x, int in, const float *w, int o0, int o1, int out,
                                    float *y) {
     for (int o = o0; o < o1; o++)
