@@ -178,7 +178,7 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
     use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemm_choice() == "onednn"
            and onednn_packs(dtype))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    shared = _shared_weights(model)
     few_rows = gemv_rows() if use and dtype == torch.float32 else 0
     if few_rows:
         kept = sum(m.weight.numel() * m.weight.element_size() for m in linears if id(m.weight) not in shared)
@@ -195,8 +195,8 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
             if layer.weight.numel() == 0:  # released: unpack it again
                 layer.weight = nn.Parameter(layer.packed_weight.to_dense(), requires_grad=False)
             layer.packed_weight = None
-        if use and not few_rows and id(layer.weight) not in shared and layer.weight.numel():
-            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        if use and not few_rows:
+            _release_dense(layer, shared)
         layer.gemv_rows = few_rows if use and layer.weight.numel() and few_row_blas() else 0
     return "onednn" if use else ("blas" if device.type == "cpu" else "cuda")
 
@@ -204,8 +204,17 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
 def release_dense_weights(model: nn.Module) -> None:
     """Drop the dense copies kept beside oneDNN's packed weights where no Linear reads them (gemv_rows 0): what
     select_cpu_gemm kept for a native decode step that then did not load."""
-    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    shared = _shared_weights(model)
     for layer in model.modules():
-        if (isinstance(layer, Linear) and layer.packed_weight is not None and not layer.gemv_rows
-                and id(layer.weight) not in shared and layer.weight.numel()):
-            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        if isinstance(layer, Linear) and layer.packed_weight is not None and not layer.gemv_rows:
+            _release_dense(layer, shared)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters that modules other than Linear hold too (a tied lm_head's embedding): never released."""
+    return {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+
+
+def _release_dense(layer: Linear, shared: set[int]) -> None:
+    if id(layer.weight) not in shared and layer.weight.numel():
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
