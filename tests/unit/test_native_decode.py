@@ -111,6 +111,29 @@ def test_which_steps_run_how(monkeypatch, tmp_path):
     assert native.covers(prefill) is None
 
 
+@needs_native
+@pytest.mark.parametrize("rows,blas", [(3, False), (3, True), (0, False)])
+def test_the_lm_head_takes_the_native_product_where_linear_takes_no_blas(monkeypatch, tmp_path, rows, blas):
+    """Where the step runs its own product (AMD), the logits of up to max_rows rows do too; more rows, and CPUs
+    whose Linear takes BLAS there, keep oneDNN or BLAS."""
+    model = _random_model(False, 16)
+    weight = model.lm_head.weight.detach().clone()  # untied: at rows 0 the dense copy is released
+    native = _native(model, monkeypatch, tmp_path, rows, blas)
+    head = model.lm_head
+    assert (head.few_row_product is not None) == (rows > 0 and not blas)
+    calls = []
+    if head.few_row_product is not None:
+        product = head.few_row_product
+        head.few_row_product = lambda *args: calls.append(args[0].shape[0]) or product(*args)
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        for n in (1, 3, 4):
+            hidden = torch.randn(n, 96)
+            torch.testing.assert_close(model.compute_logits(hidden), hidden @ weight.T, rtol=1e-5, atol=1e-5)
+    assert calls == ([1, 3] if head.few_row_product is not None else [])
+    assert native.steps == 0
+
+
 def _generate(llm, prompts, max_tokens):
     logits = []
     execute = llm.engine.runner.execute

@@ -153,6 +153,9 @@ class Linear(DirectCall, nn.Linear):
         # decoder layer serves every layer (a plain tensor attribute would be baked in, one graph per layer).
         self.register_buffer("packed_weight", None, persistent=False)
         self.gemv_rows = 0  # up to this many rows, BLAS on the dense weight even when packed (see above)
+        # Or, where set, this (rows [n, in], weight, bias) -> [n, out] instead of BLAS there: the native decode
+        # step's own product, for the lm_head on CPUs where MKL is slow at a few rows (model/native_decode.py).
+        self.few_row_product = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
@@ -161,7 +164,9 @@ class Linear(DirectCall, nn.Linear):
         if torch.compiler.is_compiling():
             out = torch.ops.inflight.onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
         elif rows.shape[0] <= self.gemv_rows:
-            return F.linear(x, self.weight, self.bias)
+            if self.few_row_product is None:
+                return F.linear(x, self.weight, self.bias)
+            out = self.few_row_product(rows, self.weight, self.bias)
         else:
             out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])

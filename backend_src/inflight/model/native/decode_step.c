@@ -62,9 +62,10 @@ static void few_rows_gemm(const Model *m, int n, const float *x, int in, const f
     }
 }
 
-/* y[n][out] = x[n][in] . w[out][in]^T (+ bias): as torch's addmm asks BLAS for it, or natively without one. */
-static void linear(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
-                   float *y) {
+/* y[n][out] = x[n][in] . w[out][in]^T (+ bias): as torch's addmm asks BLAS for it, or natively without one.
+ * Exported for the few-row linears outside the step too (the lm_head). */
+void linear_rows(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
+                 float *y) {
     const float one = 1.0f;
     float beta = 0.0f;
     if (bias) {
@@ -294,13 +295,13 @@ int decode_step(const Model *m, int n, float *x, const float *cos, const float *
     for (int l = 0; l < m->layers && rc == 0; l++) {
         const float *const *w = m->weights + (int64_t)l * W_PER_LAYER;
         add_rms_norm_rows(n, x, l ? y : NULL, w[W_IN_NORM], hd, m->eps, h);
-        linear(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
+        linear_rows(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
         rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
-        linear(m, n, att, q_size, w[W_O], NULL, hd, y);
+        linear_rows(m, n, att, q_size, w[W_O], NULL, hd, y);
         add_rms_norm_rows(n, x, y, w[W_POST_NORM], hd, m->eps, h);
-        linear(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
+        linear_rows(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
         silu_mul_rows(n, gu, inter, act);
-        linear(m, n, act, inter, w[W_DOWN], NULL, hd, y);
+        linear_rows(m, n, act, inter, w[W_DOWN], NULL, hd, y);
     }
     if (rc == 0) {
         add_rms_norm_rows(n, x, y, m->final_norm, hd, m->eps, h);
