@@ -142,7 +142,7 @@ def test_gemv_rows_out_of_range_names_the_variable_and_range(monkeypatch, raw):
 @pytest.mark.parametrize("vendor, blas", [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)])
 def test_dense_weights_are_kept_everywhere_but_linear_takes_blas_on_intel_only(monkeypatch, vendor, blas):
     monkeypatch.setattr(linear_mod, "cpu_vendor", lambda: vendor)
-    assert gemv_rows() == 3
+    assert gemv_rows() == (3 if blas else 4)  # BLAS's measured limit on Intel, the native product's elsewhere
     monkeypatch.setenv(GEMV_ROWS_ENV, "2")
     assert gemv_rows() == 2
     layer = Linear(16, 8)

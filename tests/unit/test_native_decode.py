@@ -134,6 +134,24 @@ def test_the_lm_head_takes_the_native_product_where_linear_takes_no_blas(monkeyp
     assert native.steps == 0
 
 
+@needs_native
+@pytest.mark.parametrize("width", [96, 40])  # 40: each dot product ends in a tail of 8
+def test_the_native_product_gives_each_row_the_bits_it_gets_alone(monkeypatch, tmp_path, width):
+    """decode_step.c's product runs up to four rows per pass over a weight row (blocks of 4, then 3, 2 or 1): each
+    row's sums still run in one order, so a row's result does not depend on what else shares the step, and
+    equals torch's within float32 rounding."""
+    native = _native(_random_model(False, 16), monkeypatch, tmp_path, rows=4, blas=False)
+    torch.manual_seed(5)
+    weight, bias = torch.randn(70, width), torch.randn(70)
+    rows = torch.randn(7, width)
+    for b in (bias, None):
+        alone = torch.cat([native.linear(rows[i:i + 1], weight, b) for i in range(7)])
+        want = rows @ weight.T if b is None else torch.addmm(b, rows, weight.T)
+        torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
+        for n in range(2, 8):
+            assert torch.equal(native.linear(rows[:n], weight, b), alone[:n]), n
+
+
 def _generate(llm, prompts, max_tokens):
     logits = []
     execute = llm.engine.runner.execute

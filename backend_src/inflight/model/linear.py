@@ -10,10 +10,11 @@ the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, i
 machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
 project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
 faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
-one for up to INFLIGHT_CPU_GEMV_ROWS rows (default 3; 0 releases it). On Intel CPUs Linear takes BLAS there; on
-others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD EPYC), so
-only the native decode step reads the dense weight, through its own product (model/native_decode.py); where that
-step does not load, the copies are released. The cost is memory: the linears' weights twice (425 MB for SmolLM2,
+one for up to INFLIGHT_CPU_GEMV_ROWS rows (0 releases it). On Intel CPUs Linear takes BLAS there (default 3
+rows); on others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD
+EPYC), so only the native decode step reads the dense weight, through its own product (model/native_decode.py),
+which beats oneDNN up to four rows on an EPYC Zen 3 (default 4); where that step does not load, the copies are
+released. The cost is memory: the linears' weights twice (425 MB for SmolLM2,
 whose tied lm_head is shared anyway); where that would exceed a quarter of the memory available at load, the
 dense copies are released and a warning says so.
 """
@@ -29,7 +30,8 @@ from torch import nn
 
 GEMM_ENV = "INFLIGHT_CPU_GEMM"
 GEMV_ROWS_ENV = "INFLIGHT_CPU_GEMV_ROWS"
-DEFAULT_GEMV_ROWS = 3
+DEFAULT_GEMV_ROWS_BLAS = 3  # Intel: MKL's sgemv/sgemm on the dense weight, measured on a Xeon
+DEFAULT_GEMV_ROWS_NATIVE = 4  # elsewhere: decode_step.c's product, measured on an EPYC Zen 3 (docs/cpu.md)
 MAX_GEMV_ROWS = 64
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ def cpu_vendor() -> str:
 def gemv_rows() -> int:
     """Up to how many rows float32 linears keep a dense weight for the few-row path (INFLIGHT_CPU_GEMV_ROWS;
     0: release it): BLAS where that is fast (few_row_blas), the native decode step's own product in any case."""
-    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(DEFAULT_GEMV_ROWS)
+    default = DEFAULT_GEMV_ROWS_BLAS if few_row_blas() else DEFAULT_GEMV_ROWS_NATIVE
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(default)
     try:
         rows = int(raw)
     except ValueError:
