@@ -1,5 +1,7 @@
 """Milliseconds for all of a model's linears at a few row counts, BLAS (MKL sgemv/sgemm on the dense weight)
-against oneDNN (prepacked weight): the measurement behind INFLIGHT_CPU_GEMV_ROWS's default (model/linear.py).
+against oneDNN (prepacked weight) and the native decode step's own product (decode_step.c, on the dense weight):
+the measurement behind INFLIGHT_CPU_GEMV_ROWS's defaults (model/linear.py): BLAS's limit on Intel CPUs, the
+native product's elsewhere.
 
     .venv/bin/python perf/gemv_rows.py
     OMP_NUM_THREADS=1 .venv/bin/python perf/gemv_rows.py --rows 1,2,3,4,16
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from inflight.model.config import ModelConfig
 from inflight.model.linear import _ONEDNN, PACK_ROWS_HINT
+from inflight.model.native_decode import few_row_product
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +56,7 @@ def main() -> None:
     shapes = model_shapes(ModelConfig.from_dir(args.model))
     dense = [torch.randn(out_f, in_f) for out_f, in_f in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in dense]
+    native = few_row_product()
     megabytes = sum(w.numel() for w in dense) * 4 / 2**20
     print(f"{len(shapes)} linears, {megabytes:.0f} MB, {torch.get_num_threads()} threads")
     with torch.inference_mode():
@@ -61,8 +65,10 @@ def main() -> None:
             blas = median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense], args.repeats)
             onednn = median_ms(lambda xs=xs: [_ONEDNN(xs[w.shape[1]], p, None, "none", [], "")
                                               for w, p in zip(dense, packed)], args.repeats)
-            faster = "blas" if blas < onednn else "onednn"
-            print(f"rows {rows:3d}: blas {blas:6.1f} ms, onednn {onednn:6.1f} ms -> {faster}", flush=True)
+            own = median_ms(lambda xs=xs: [native(xs[w.shape[1]], w) for w in dense], args.repeats)
+            times = {"blas": blas, "onednn": onednn, "native": own}
+            print(f"rows {rows:3d}: " + ", ".join(f"{k} {v:6.1f} ms" for k, v in times.items())
+                  + f" -> {min(times, key=times.get)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,39 @@ def _torch_sgemm() -> int:
     return 0
 
 
+def _load(library: str) -> ctypes.CDLL:
+    """The compiled library with its functions' C signatures declared."""
+    lib = ctypes.CDLL(library)
+    pointer, c_int, c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.decode_step.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 8
+    lib.attention_rows.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 9
+    lib.add_rms_norm_rows.argtypes = [c_int, pointer, pointer, pointer, c_int, c_float, pointer]
+    lib.add_rms_norm_rows.restype = None
+    lib.silu_mul_rows.argtypes = [c_int, pointer, c_int, pointer]
+    lib.silu_mul_rows.restype = None
+    lib.linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
+    lib.linear_rows.restype = None
+    return lib
+
+
+def _linear_rows(lib: ctypes.CDLL, spec: _Model, rows: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    rows = rows.contiguous()
+    n, width = rows.shape
+    out = rows.new_empty(n, weight.shape[0])
+    spec.threads = torch.get_num_threads()
+    lib.linear_rows(ctypes.byref(spec), n, rows.data_ptr(), width, weight.data_ptr(),
+                    None if bias is None else bias.data_ptr(), weight.shape[0], out.data_ptr())
+    return out
+
+
+def few_row_product():
+    """decode_step.c's own few-row product alone, as (rows [n, in], weight [out, in], bias or None) -> [n, out]
+    at torch's current width: for perf/gemv_rows.py, which compares it with BLAS and oneDNN."""
+    lib, spec = _load(build_library()), _Model(gemm=0)
+    return lambda rows, weight, bias=None: _linear_rows(lib, spec, rows, weight, bias)
+
+
 class NativeDecodeForward:
     """Called like the model: (input_ids, positions, meta, kv_caches) -> final hidden states [tokens, hidden].
 
@@ -122,16 +155,7 @@ class NativeDecodeForward:
         cfg = model.cfg
         self.max_rows = max_rows
         self.library = library
-        self.lib = lib = ctypes.CDLL(library)
-        pointer, c_int, c_float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        lib.decode_step.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 8
-        lib.attention_rows.argtypes = [ctypes.POINTER(_Model), c_int] + [pointer] * 9
-        lib.add_rms_norm_rows.argtypes = [c_int, pointer, pointer, pointer, c_int, c_float, pointer]
-        lib.add_rms_norm_rows.restype = None
-        lib.silu_mul_rows.argtypes = [c_int, pointer, c_int, pointer]
-        lib.silu_mul_rows.restype = None
-        lib.linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
-        lib.linear_rows.restype = None
+        self.lib = _load(library)
         weights = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -161,13 +185,7 @@ class NativeDecodeForward:
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [n, in] . weight [out, in]^T (+ bias) as the step's linears run: decode_step.c's own few-row
         product, or the BLAS sgemm where one was given. Float32, contiguous weight and bias."""
-        rows = rows.contiguous()
-        n, width = rows.shape
-        out = rows.new_empty(n, weight.shape[0])
-        self.spec.threads = torch.get_num_threads()
-        self.lib.linear_rows(self._spec_ref, n, rows.data_ptr(), width, weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), weight.shape[0], out.data_ptr())
-        return out
+        return _linear_rows(self.lib, self.spec, rows, weight, bias)
 
     def _cache_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         """Each layer's K and V cache address, as two C arrays; rebuilt only when the cache list changes."""
