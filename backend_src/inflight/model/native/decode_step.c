@@ -66,6 +66,9 @@ static inline __attribute__((always_inline)) void rows_dot(const int R, const fl
     v8 lo[4] = {{0}}, hi[4] = {{0}};
     int i = 0;
     for (; i + 16 <= in; i += 16) {
+        /* 1 KB ahead: with two to four rows there are more instructions per weight loaded, so the core alone runs
+         * less far ahead of its loads (all linears at 2-3 rows 10-15% faster on an EPYC Zen 3; at one row ~3%). */
+        __builtin_prefetch(wo + i + 256, 0, 0);
         const v8 wl = *(const v8u *)(wo + i), wh = *(const v8u *)(wo + i + 8);
         for (int r = 0; r < R; r++) {
             lo[r] += wl * *(const v8u *)(x + (int64_t)r * in + i);
