@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) void rows_dot(const int R, const fl
 /* y[n][out] = x[n][in] . w[out][in]^T for a few rows, without BLAS: each thread of the team streams its share of
  * the weight's rows once, for all n inputs, four rows at a time. For CPUs where the BLAS torch links is slow at a
  * few rows (MKL on AMD's: 1.5-2.5x oneDNN's time on this project's EPYCs), this reads the weights at the
- * memory's bandwidth at one row and beats oneDNN's packed kernels up to three (docs/cpu.md). */
+ * memory's bandwidth at one row and beats oneDNN's packed kernels up to four (docs/cpu.md). */
 PER_ISA static void few_rows_range(int n, const float *x, int in, const float *w, int o0, int o1, int out,
                                    float *y) {
     for (int o = o0; o < o1; o++) {
