@@ -14,9 +14,9 @@ one for up to INFLIGHT_CPU_GEMV_ROWS rows (0 releases it). On Intel CPUs Linear 
 rows); on others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD
 EPYC), so only the native decode step reads the dense weight, through its own product (model/native_decode.py),
 which beats oneDNN up to four rows on an EPYC Zen 3 (default 4); where that step does not load, the copies are
-released. The cost is memory: the linears' weights twice (425 MB for SmolLM2,
-whose tied lm_head is shared anyway); where that would exceed a quarter of the memory available at load, the
-dense copies are released and a warning says so.
+released. The cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared
+anyway); where that would exceed a quarter of the memory available at load, the dense copies are released and a
+warning says so.
 """
 from __future__ import annotations
 
@@ -187,6 +187,7 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
            and onednn_packs(dtype))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = _shared_weights(model)
+    blas = few_row_blas()  # reads /proc/cpuinfo: once for the model, not once per layer
     few_rows = gemv_rows() if use and dtype == torch.float32 else 0
     if few_rows:
         kept = sum(m.weight.numel() * m.weight.element_size() for m in linears if id(m.weight) not in shared)
@@ -205,7 +206,7 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) 
             layer.packed_weight = None
         if use and not few_rows:
             _release_dense(layer, shared)
-        layer.gemv_rows = few_rows if use and layer.weight.numel() and few_row_blas() else 0
+        layer.gemv_rows = few_rows if use and layer.weight.numel() and blas else 0
     return "onednn" if use else ("blas" if device.type == "cpu" else "cuda")
 
 

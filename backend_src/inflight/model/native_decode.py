@@ -126,6 +126,7 @@ def _load(library: str) -> ctypes.CDLL:
 
 def _linear_rows(lib: ctypes.CDLL, spec: _Model, rows: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [n, in] . weight [out, in]^T (+ bias) through linear_rows(), at torch's current width."""
     rows = rows.contiguous()
     n, width = rows.shape
     out = rows.new_empty(n, weight.shape[0])
