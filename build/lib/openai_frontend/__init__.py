@@ -1,1 +1,0 @@
-"""OpenAI-compatible HTTP API in front of tritonserver: OpenAI requests in, streaming gRPC calls out."""
