@@ -1,6 +1,7 @@
-"""The README's examples, run as a reader would run them, against the real default model: every command of
-its first example block, and its first client command, must answer with text (an instruct model given a raw
-question can answer with nothing at all, which is what this guards against)."""
+"""The documented examples, run as a reader would run them, against the real default model: every curl command
+of the README's quick start and of docs/contract.md's examples, and the first client command of each, must answer
+with text (an instruct model given a raw question can answer with nothing at all, which is what this guards
+against)."""
 from __future__ import annotations
 
 import json
@@ -18,10 +19,29 @@ ROOT = MODEL_REPOSITORY.parent
 pytestmark = pytest.mark.timeout(600)
 
 
-def readme_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Examples"):]
+# (page, heading of its section): the shell blocks after that heading hold the examples.
+EXAMPLE_SECTIONS = (("README.md", "## Quick start"), ("docs/contract.md", "## Examples"))
+
+
+def section_blocks(page: str, heading: str) -> list[str]:
+    text = (ROOT / page).read_text()
+    section = text[text.index(heading):]
     return re.findall(r"```sh\n(.*?)```", section, re.S)
+
+
+def curl_examples() -> list[str]:
+    return [c for page, heading in EXAMPLE_SECTIONS for block in section_blocks(page, heading)
+            for c in commands(block) if c.startswith("curl ")]
+
+
+def client_examples() -> list[str]:
+    """The first client command of each page's examples, each once."""
+    found = []
+    for page, heading in EXAMPLE_SECTIONS:
+        clients = [c for block in section_blocks(page, heading) for c in commands(block)
+                   if c.startswith(".venv/bin/python client/")]
+        found += clients[:1]
+    return list(dict.fromkeys(found))
 
 
 def commands(block: str) -> list[str]:
@@ -55,16 +75,21 @@ def answer_text(output: str) -> str:
     return "".join(e["text_output"] for e in events) if events else json.loads(output)["text_output"]
 
 
-@pytest.mark.parametrize("index", range(len(commands(readme_blocks()[0]))))
+def test_every_page_has_examples():
+    assert len(curl_examples()) >= 6 and client_examples()
+
+
+@pytest.mark.parametrize("index", range(len(curl_examples())))
 def test_each_curl_example_answers_with_text(server, index):
-    command = commands(readme_blocks()[0])[index].replace("localhost:8000", server.http_url)
+    command = curl_examples()[index].replace("localhost:8000", server.http_url)
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert answer_text(done.stdout).strip(), f"{command}\n-> {done.stdout}"
 
 
-def test_the_first_client_example_answers_with_text(server):
-    command = commands(readme_blocks()[1])[0]
+@pytest.mark.parametrize("index", range(len(client_examples())))
+def test_the_first_client_example_answers_with_text(server, index):
+    command = client_examples()[index]
     assert command.startswith(".venv/bin/python client/generate.py")
     args = re.findall(r'"[^"]*"|\S+', command)[2:]
     done = subprocess.run([sys.executable, str(ROOT / "client" / "generate.py"), "--url", server.grpc_url,
