@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -35,11 +35,12 @@ def instances(count: int) -> Callable[[mc.ModelConfig], None]:
 
 def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = None,
                params: Mapping[str, object] | None = None,
-               edit: Callable[[mc.ModelConfig], None] | None = None) -> Path:
+               edit: Callable[[mc.ModelConfig], None] | None = None, files: Iterable[Path] = ()) -> Path:
     """Copy model `name` of the repository `source` into the repository `dest` (as `as_name`).
 
     params override parameters the config already has (a typo fails here, not as a load error inside the
-    server); `edit` may change anything else in the parsed config."""
+    server); `edit` may change anything else in the parsed config. `files` go beside model.py, a folder the
+    Python backend puts on the model's sys.path (the fault tests bring their request hook module so)."""
     config = load_config(source / name / "config.pbtxt")
     for key, value in (params or {}).items():
         if key not in config.parameters:
@@ -63,13 +64,18 @@ def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = Non
         shutil.copytree(source / name / "configs", model_dir / "configs")
     if (source / name / "1" / "model.py").exists():
         shutil.copy(source / name / "1" / "model.py", model_dir / "1" / "model.py")
+    for path in files:
+        shutil.copy(path, model_dir / "1" / Path(path).name)
     return model_dir
 
 
-def make_model_repository(source: Path, dest: Path, models: Mapping[str, Mapping[str, object]]) -> Path:
-    """One copy of the in-flight model `llm` per entry: served name -> {config parameter: value}."""
+def make_model_repository(source: Path, dest: Path, models: Mapping[str, Mapping[str, object]],
+                          files: Iterable[Path] = ()) -> Path:
+    """One copy of the in-flight model `llm` per entry: served name -> {config parameter: value}; `files` go
+    beside every copy's model.py (see copy_model)."""
+    files = tuple(files)
     for as_name, params in models.items():
-        copy_model(source, INFLIGHT_MODEL, dest, as_name=as_name, params=params)
+        copy_model(source, INFLIGHT_MODEL, dest, as_name=as_name, params=params, files=files)
     return dest
 
 

@@ -19,8 +19,7 @@ from inflight.sequence import RequestOutput
 from .contract import parse_request
 from .errors import INTERNAL, INVALID_ARG, UNAVAILABLE, RequestError
 from .lifecycle import LiveRequest, RequestIds, Responder, Transport, UnloadWatch, by_request, send_error
-from .test_hooks import PARAMETER as FAULT_PARAMETER
-from .test_hooks import FaultInjector, parse_fault
+from .request_hooks import RequestHook
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +33,13 @@ class InflightFrontend:
 
     `is_ready` (optional) asks the host whether this model is still served (see lifecycle.UnloadWatch): once
     it is not, every in-flight request is cancelled ("the model is being unloaded") and new ones are refused.
-    `fault_injector` (tests only) becomes the engine's step_hook, armed by the `inject_fault` parameter.
+    `request_hook` (tests only; see request_hooks) claims one request parameter and may act on the engine,
+    e.g. the fault tests' hook arms engine.step_hook from `inject_fault`.
     """
 
     def __init__(self, engine: LLMEngine, transport: Transport, limits: RequestLimits = RequestLimits(),
                  cancel_check_period_s: float = 0.1, is_ready: Callable[[], bool | None] | None = None,
-                 ready_check_period_s: float = 0.5, fault_injector: FaultInjector | None = None,
+                 ready_check_period_s: float = 0.5, request_hook: RequestHook | None = None,
                  request_defaults: Mapping[str, Any] | None = None):
         self.engine = engine
         self.transport = transport
@@ -48,9 +48,9 @@ class InflightFrontend:
         self.request_defaults = dict(request_defaults or {})  # the model's defaults for serving flags
         self.cancel_check_period_s = cancel_check_period_s
         self.unload_watch = UnloadWatch(is_ready, ready_check_period_s)
-        self.fault_injector = fault_injector
-        if fault_injector is not None:
-            engine.step_hook = fault_injector
+        self.request_hook = request_hook
+        if request_hook is not None:
+            request_hook.attach(engine)
         self.unloading = threading.Event()
         self.loop = EngineLoop(engine, self._on_outputs)
         self._lock = threading.Lock()
@@ -94,17 +94,17 @@ class InflightFrontend:
             send_error(self.transport, sender, RequestError("the model is being unloaded: retry on a serving model",
                                                             UNAVAILABLE), client_id)
             return
-        fault = None
+        hooked, hook = False, self.request_hook
         try:
-            if self.fault_injector is not None and parameters and FAULT_PARAMETER in parameters:
+            if hook is not None and parameters and hook.parameter in parameters:
                 parameters = dict(parameters)
-                fault = parse_fault(parameters.pop(FAULT_PARAMETER))
+                hooked, claimed = True, hook.parse(parameters.pop(hook.parameter))
             req = parse_request(inputs, parameters, self.limits, self.request_defaults)
         except InvalidRequestError as e:
             send_error(self.transport, sender, RequestError(str(e), INVALID_ARG), client_id)
             return
-        if fault is not None:
-            self.fault_injector.arm(fault)
+        if hooked:  # only a request that was accepted acts
+            hook.apply(claimed)
         if req.cancel:
             self._cancel_by_client_id(sender, client_id)
             return

@@ -19,7 +19,8 @@ class ServingOptions:
     limits: RequestLimits
     cancel_check_period_s: float = 0.1
     metrics_interval_s: float = 1.0
-    enable_test_hooks: bool = False  # lets the `inject_fault` request parameter arm engine faults
+    # Tests only: an importable module whose request hook claims a request parameter (serving.request_hooks).
+    request_hook_module: str = ""
     # A request that does not say: true (ours) returns only new text; false (vLLM's and TensorRT-LLM's
     # default) puts the prompt before a non-streamed output.
     default_exclude_input_in_output: bool = True
@@ -38,7 +39,8 @@ _GLUE_INTS = {
     "cancel_check_period_ms": (100, 1, 60_000),
     "metrics_interval_ms": (1000, 10, 3_600_000),
 }
-_GLUE_BOOLS = {"enable_test_hooks": False, "default_exclude_input_in_output": True,
+_GLUE_STRS = {"request_hook_module": ""}
+_GLUE_BOOLS = {"default_exclude_input_in_output": True,
                "default_apply_chat_template": False}
 _LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(RequestLimits))
 
@@ -89,7 +91,7 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
     Blank values (a parameter left as "") mean "use the default"."""
     params = {k: v for k, v in parameters.items() if str(v).strip() != ""}
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
-    known = engine_names | set(_GLUE_INTS) | set(_GLUE_BOOLS) | set(_LIMIT_NAMES)
+    known = engine_names | set(_GLUE_INTS) | set(_GLUE_STRS) | set(_GLUE_BOOLS) | set(_LIMIT_NAMES)
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"unknown model parameter(s) {', '.join(unknown)}: allowed {', '.join(sorted(known))}")
@@ -102,5 +104,6 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
     limits = RequestLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
     glue = {n: _int(n, params.get(n, str(d)), lo, hi) for n, (d, lo, hi) in _GLUE_INTS.items()}
     flags = {n: _bool(n, params[n]) if n in params else d for n, d in _GLUE_BOOLS.items()}
+    flags |= {n: params.get(n, d).strip() for n, d in _GLUE_STRS.items()}
     return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0,
                           **flags)

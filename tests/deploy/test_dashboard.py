@@ -4,8 +4,8 @@ A/B arms, and then every Grafana panel query and every alert expression must ret
 Prometheus' HTTP API. A metric renamed in the code (or in a query) leaves a query empty and fails here.
 
 The test server is tiny-llama with `llm` tuned so every panel has something to show within a minute:
-two instances (engines), a small KV pool (preemptions), a short queue (queue-full refusals) and the test hook
-that makes one engine step fail (errors)."""
+two instances (engines), a small KV pool (preemptions), a short queue (queue-full refusals) and the fault hook
+(tests/fault_hooks.py, copied beside model.py) that makes one engine step fail (errors)."""
 from __future__ import annotations
 
 import math
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import fault_hooks
 from server_harness.load import traffic
 from server_harness.prometheus import alert_queries, as_bool, panel_queries, resolve, run_prometheus, scrape_config
 from server_harness.repository import build_repository, copy_model, instances
@@ -36,9 +37,9 @@ def live(tmp_path_factory):
     source = ROOT / "model_repository"
     repo = build_repository(source, work / "model_repository", {"model": str(TINY)}, max_batch_size=8,
                             max_queue_delay_us=50_000)
-    copy_model(source, "llm", repo, edit=instances(2),
+    copy_model(source, "llm", repo, edit=instances(2), files=[fault_hooks.FILE],
                params={"model": str(TINY), "num_kv_blocks": "12", "max_num_seqs": "2", "max_queue_size": "2",
-                       "enable_test_hooks": "true"})
+                       **fault_hooks.ON})
     with TritonServer(repo, log_path=work / "server.log", env={"OMP_NUM_THREADS": "1"}) as server:
         (port,) = free_ports(1)
         config = scrape_config(PROMETHEUS_YML, ALERTS, [f"127.0.0.1:{server.metrics_port}"], "1s", "1s")

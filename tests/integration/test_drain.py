@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import fault_hooks
 from server_harness.repository import make_model_repository
 from server_harness.stream_client import StreamClient
 
@@ -21,8 +22,9 @@ def drain(srv, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_drain_waits_for_the_request_in_flight_then_returns(triton_server_factory, tmp_path):
-    params = {"model": str(TINY), "enable_test_hooks": "true", "metrics_interval_ms": "100"}
-    repo = make_model_repository(ROOT / "model_repository", tmp_path / "repo", {"llm": params})
+    params = {"model": str(TINY), **fault_hooks.ON, "metrics_interval_ms": "100"}
+    repo = make_model_repository(ROOT / "model_repository", tmp_path / "repo", {"llm": params},
+                                 files=[fault_hooks.FILE])
     srv = triton_server_factory(repo)
     t0 = time.monotonic()
     assert drain(srv).returncode == 0 and time.monotonic() - t0 < 10  # idle: at once

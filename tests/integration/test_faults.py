@@ -1,7 +1,7 @@
 """Faults, overload and hostile input against the real tritonserver: every request gets exactly one final
 response, no KV block leaks, the server keeps serving. After every case the models are checked quiescent
-(tests/quiescence.py). Engine faults and slow steps come from the test hooks (enable_test_hooks=true,
-request parameter inject_fault; backend_src/serving/test_hooks.py), so timing windows are wide and sure.
+(tests/quiescence.py). Engine faults and slow steps come from the fault hooks (tests/fault_hooks.py, copied beside
+each model.py and loaded by request_hook_module; request parameter inject_fault), so timing windows are wide and sure.
 
 One server for most cases, three copies of the llm model on the tiny random Llama:
   tiny         ample pool (512 blocks), step budget 64 tokens (long prompts prefill in chunks), hooks on
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fault_hooks
 from engine_helpers import MODEL_REPOSITORY
 from server_harness.repository import make_model_repository
 from server_harness.quiescence import assert_quiescent, http_status, scrape
@@ -39,10 +40,10 @@ POOLS = {"tiny": 512, "tiny_pool": 24, "tiny_serial": 64}
 COMMON = {"model": TINY, "metrics_interval_ms": 100, "cancel_check_period_ms": 50, "default_max_tokens": 32}
 MODELS = {
     "tiny": {**COMMON, "num_kv_blocks": 512, "max_model_len": 512, "max_num_batched_tokens": 64,
-             "enable_test_hooks": "true"},
+             **fault_hooks.ON},
     "tiny_pool": {**COMMON, "num_kv_blocks": 24, "max_model_len": 1024},
     "tiny_serial": {**COMMON, "num_kv_blocks": 64, "max_model_len": 512, "max_num_seqs": 1, "max_queue_size": 4,
-                    "enable_test_hooks": "true"},
+                    **fault_hooks.ON},
 }
 HOOKED = ("tiny", "tiny_serial")
 CANCELLED = "vllm:request_success_total{finished_reason=cancelled}"
@@ -60,7 +61,7 @@ def _need_models():
 def server(tmp_path_factory):
     _need_models()
     tmp = tmp_path_factory.mktemp("faults")
-    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", MODELS)
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", MODELS, files=[fault_hooks.FILE])
     srv = TritonServer(repo, log_path=tmp / "server.log")
     print(f"tritonserver log: {srv.log_path}")
     with srv:
@@ -497,7 +498,8 @@ def test_engine_exception_mid_run_errors_every_request_once_and_the_model_recove
 
 def _own_server(factory, tmp_path, **kwargs):
     _need_models()
-    repo = make_model_repository(MODEL_REPOSITORY, tmp_path / "repo", {"tiny": MODELS["tiny"]})
+    repo = make_model_repository(MODEL_REPOSITORY, tmp_path / "repo", {"tiny": MODELS["tiny"]},
+                                 files=[fault_hooks.FILE])
     return factory(repo, **kwargs)
 
 

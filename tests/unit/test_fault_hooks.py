@@ -1,5 +1,5 @@
-"""Test hooks (backend_src/serving/test_hooks.py) and the frontend's unload detection, on the tiny engine
-with a recording transport: injected engine errors end every in-flight request once, the engine serves
+"""The fault hooks (tests/fault_hooks.py, a serving.request_hooks hook) and the frontend's unload detection, on
+the tiny engine with a recording transport: injected engine errors end every in-flight request once, the engine serves
 again afterwards, and a host that stops saying "ready" gets every in-flight request cancelled."""
 import threading
 import time
@@ -12,8 +12,11 @@ from inflight.config import EngineConfig
 from inflight.engine import LLMEngine
 from inflight.fields import InvalidRequestError
 from serving.errors import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
+import fault_hooks
+from fault_hooks import FaultInjector, InjectedFault, parse_fault
 from serving.frontend import InflightFrontend
-from serving.test_hooks import FaultInjector, InjectedFault, parse_fault
+from serving.options import parse_model_parameters
+from serving.request_hooks import RequestHook, load_request_hook
 
 
 class Sender:
@@ -76,6 +79,18 @@ def test_bad_fault_specs_name_the_value(raw, needle):
     assert needle in str(info.value)
 
 
+def test_the_hook_module_loads_by_name_and_the_product_ships_none(tmp_path):
+    assert load_request_hook("") is None and load_request_hook("  ") is None
+    hook = load_request_hook(fault_hooks.ON["request_hook_module"])
+    assert isinstance(hook, FaultInjector) and isinstance(hook, RequestHook) and hook.parameter == "inject_fault"
+    assert parse_model_parameters({"model": TINY, **fault_hooks.ON}, tmp_path).request_hook_module == "fault_hooks"
+    assert parse_model_parameters({"model": TINY}, tmp_path).request_hook_module == ""
+    with pytest.raises(ValueError, match="request_hook_module='no_such_hooks' cannot be imported"):
+        load_request_hook("no_such_hooks")
+    with pytest.raises(ValueError, match="has no make_request_hook"):
+        load_request_hook("engine_helpers")
+
+
 def test_injector_fires_once_on_the_nth_step_and_sleeps_while_slow():
     hook = FaultInjector()
     hook()  # disarmed: nothing happens
@@ -96,7 +111,7 @@ def test_injector_fires_once_on_the_nth_step_and_sleeps_while_slow():
 
 def test_injected_engine_error_ends_every_request_once_and_the_engine_recovers(engine):
     transport = Transport()
-    fe = InflightFrontend(engine, transport, cancel_check_period_s=0.02, fault_injector=FaultInjector())
+    fe = InflightFrontend(engine, transport, cancel_check_period_s=0.02, request_hook=FaultInjector())
     fe.start()
     try:
         victims = [Sender() for _ in range(4)]
@@ -108,7 +123,7 @@ def test_injected_engine_error_ends_every_request_once_and_the_engine_recovers(e
             assert s.done.wait(60)
             error = final_error(s)
             assert error is not None and error.code == INTERNAL and "InjectedFault" in error.message
-        fe.fault_injector.arm(parse_fault("slow:ms=1,steps=1"))  # end the slow phase early
+        fe.request_hook.arm(parse_fault("slow:ms=1,steps=1"))  # end the slow phase early
         after = Sender()
         fe.submit(after, "after", inputs("Fine again", 5))
         assert after.done.wait(60) and final_error(after) is None

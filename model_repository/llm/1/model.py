@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 # Light imports only: a bad config.pbtxt parameter fails the load before torch is imported.
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.lifecycle import send_error
-from serving.test_hooks import FaultInjector
+from serving.request_hooks import load_request_hook
 from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
                                  read_inputs, unreadable)
 
@@ -25,6 +25,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
         self._input_names = [i["name"] for i in model_config["input"]]
+        request_hook = load_request_hook(options.request_hook_module)  # tests only: fault injection
         from inflight.engine import LLMEngine
         from serving.frontend import InflightFrontend
         from serving.metrics_export import MetricsExporter
@@ -32,15 +33,13 @@ class TritonPythonModel:
         place_engine(args, model_config, options)  # this instance's GPU, or its share of the CPU cores
         log.info("loading %s with %s", options.engine.model, options.engine)
         self.engine = LLMEngine(options.engine)
-        if options.enable_test_hooks:
-            log.warning("enable_test_hooks=true: requests may inject engine faults (inject_fault); tests only")
         self.transport = TritonTransport()
         self.frontend = InflightFrontend(
             self.engine, self.transport, options.limits, options.cancel_check_period_s,
             # Triton unloads the model only after every in-flight request had its final: notice the unload
             # (or server shutdown) and end them, or shutdown waits out --exit-timeout-secs and then crashes.
             is_ready=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])),
-            fault_injector=FaultInjector() if options.enable_test_hooks else None,
+            request_hook=request_hook,
             request_defaults=options.request_defaults)
         self.exporter = MetricsExporter(self._metrics_snapshot, TritonMetricSink(), metric_labels(args),
                                         options.metrics_interval_s)

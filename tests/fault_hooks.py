@@ -1,5 +1,6 @@
-"""Fault injection for tests: with the model parameter enable_test_hooks=true, a request parameter
-`inject_fault` arms the engine's step_hook. Off by default; with it off the parameter is refused as unknown.
+"""Fault injection for tests, a request hook (serving.request_hooks): with the model parameter
+`request_hook_module: fault_hooks`, a request parameter `inject_fault` arms the engine's step_hook. Without it the
+parameter is refused as unknown. Served models import this file from their version folder (see ON and FILE).
 
 Specs (one string):
   error              the next engine step raises (every in-flight request then gets an error final)
@@ -11,10 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from inflight.fields import InvalidRequestError
 
 PARAMETER = "inject_fault"
+FILE = Path(__file__)  # copied beside a test repository's model.py: the Python backend puts that folder on sys.path
+ON = {"request_hook_module": FILE.stem}  # the model parameter that loads it
 _LIMITS = {"after": (1, 100_000), "ms": (1, 10_000), "steps": (1, 100_000)}
 _KINDS = {"error": {"after": 1}, "slow": {"ms": None, "steps": None}}
 _ALLOWED = "'error', 'error:after=N', or 'slow:ms=M,steps=N'"
@@ -58,7 +62,10 @@ def parse_fault(raw) -> FaultSpec:
 
 
 class FaultInjector:
-    """The engine's step_hook. Armed from request threads, fired in the engine thread."""
+    """A RequestHook claiming `inject_fault`, and the engine's step_hook: armed from request threads, fired in
+    the engine thread."""
+
+    parameter = PARAMETER
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -66,6 +73,15 @@ class FaultInjector:
         self._sleep_s = 0.0
         self._sleep_steps = 0
         self.num_faults = 0
+
+    def attach(self, engine) -> None:
+        engine.step_hook = self
+
+    def parse(self, raw) -> FaultSpec:
+        return parse_fault(raw)
+
+    def apply(self, spec: FaultSpec) -> None:
+        self.arm(spec)
 
     def arm(self, spec: FaultSpec) -> None:
         with self._lock:
@@ -89,3 +105,8 @@ class FaultInjector:
             time.sleep(sleep_s)
         if fire:
             raise InjectedFault("fault injected by a test hook (inject_fault)")
+
+
+def make_request_hook() -> FaultInjector:
+    """The factory serving.request_hooks.load_request_hook calls."""
+    return FaultInjector()
