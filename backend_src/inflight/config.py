@@ -1,101 +1,115 @@
-"""Engine configuration: one dataclass, parsed from keyword options or Triton config.pbtxt parameters."""
+"""Engine configuration: one dataclass, parsed from keyword options or Triton config.pbtxt parameters.
+
+Every field is a `setting(default, allowed, doc)` (settings.py): validation, parsing and docs/parameters.md
+all read it. An operator may override some fields from the environment (env_overrides.py); the overrides are
+applied when the config is built from options, and win over config.pbtxt and `LLM(**options)`.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from .fields import parse_bool
+from .settings import AutoOrInts, Bools, Choices, Floats, Ints, Pattern, Text, check_fields, parse_value, setting
+
+_COUNT = 1 << 20
 
 
 @dataclass
 class EngineConfig:
-    model: str = ""
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int = 0  # 0: derive from kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA)
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    # CUDA: this engine's share of the whole device's memory for weights + activations + KV cache; the KV cache
-    # gets what a warm-up forward of max_num_batched_tokens leaves. Engines on one device need shares that add up
-    # to what it can give, e.g. 0.45 each for two (see kv_sizing.py).
-    gpu_memory_utilization: float = 0.9
-    # CUDA: True runs decode steps eagerly instead of replaying CUDA graphs (CPU is always eager).
-    enforce_eager: bool = False
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # Static batching (the dynamic-batcher arm): admit a batch only when none runs, never mid-batch,
-    # so finished requests leave their slot idle until the longest one ends.
-    static_batching: bool = False
-    fast_lane_share: float = 0.25  # share of each step's token budget kept for the fast lane
-    fast_lane_max_prompt_tokens: int = 64  # "short" prompt for the fast lane
-    fast_lane_max_tokens: int = 32  # "small" max_tokens for the fast lane
-    watermark: float = 0.02  # fraction of blocks kept free at admission, against thrashing
-    max_queue_size: int = 256  # waiting requests beyond this are refused (Triton glue)
-    max_prompt_bytes: int = 1 << 20  # prompt text beyond this is refused before tokenizing (see prompt.py)
-    default_max_tokens: int = 256
-    seed: int = 0
+    model: str = setting("", Text("a Hugging Face model folder (config.json + *.safetensors)"), (
+        "The model folder. In config.pbtxt a relative path resolves against the model repository (the folder "
+        "given to `--model-repository`), so a repository and its models move together; a copy elsewhere names "
+        "it absolutely. Default there: `../models/SmolLM2-135M-Instruct`."))
+    dtype: str = setting("auto", Choices(("auto", "float32", "float16", "bfloat16")),
+                         "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA.")
+    device: str = setting("cpu", Pattern(r"cpu|cuda(:\d+)?", "cpu, cuda, cuda:N"), "Where the model runs.")
+    block_size: int = setting(16, Ints(1, 1024), "Tokens per KV-cache block.")
+    num_kv_blocks: int = setting(0, Ints(0, 1 << 30), (
+        "KV pool size in blocks; > 0 wins. 0: derive it from kv_cache_memory_bytes (CPU) or "
+        "gpu_memory_utilization (CUDA)."))
+    kv_cache_memory_bytes: int = setting(512 * 1024 * 1024, Ints(1, 1 << 50),
+                                         "CPU: the KV pool's memory budget (512 MiB) when num_kv_blocks is 0.")
+    # The shares of engines on one device must add up to what it can give (kv_sizing.py).
+    gpu_memory_utilization: float = setting(0.9, Floats(0.0, 1.0, lo_open=True), (
+        "CUDA: this engine's share of the whole device's memory for weights + activations + KV cache; the KV "
+        "pool gets what a warm-up forward of max_num_batched_tokens leaves (when num_kv_blocks is 0). Two "
+        "engines on one GPU need shares that add up, e.g. 0.45 each."))
+    enforce_eager: bool = setting(False, Bools(), (
+        "CUDA: run decode steps eagerly instead of replaying CUDA graphs (CPU is always eager)."))
+    max_num_seqs: int = setting(64, Ints(1, _COUNT), "Running requests at most (the decode batch).")
+    max_num_batched_tokens: int = setting(512, Ints(1, 1 << 24), "Tokens per engine step at most.")
+    max_model_len: int = setting(2048, Ints(1, 1 << 24), (
+        "Prompt + output tokens per request; longer requests are refused."))
+    enable_prefix_caching: bool = setting(True, Bools(), "Reuse the KV blocks of a shared prompt prefix.")
+    enable_chunked_prefill: bool = setting(True, Bools(), (
+        "Split long prompts into chunks under the step's token budget. Off, max_num_batched_tokens must be "
+        ">= max_model_len."))
+    # Finished requests leave their slot idle until the longest one ends: what a dynamic batcher does.
+    static_batching: bool = setting(False, Bools(), (
+        "Static batching (the dynamic-batcher arm): admit a batch only when none runs, never mid-batch."))
+    fast_lane_share: float = setting(0.25, Floats(0.0, 1.0, hi_open=True), (
+        "Share of each step's token budget kept for the fast lane (short requests)."))
+    fast_lane_max_prompt_tokens: int = setting(64, Ints(0, 1 << 24), "A \"short\" prompt, for the fast lane.")
+    fast_lane_max_tokens: int = setting(32, Ints(0, 1 << 24), "A \"small\" max_tokens, for the fast lane.")
+    watermark: float = setting(0.02, Floats(0.0, 1.0, hi_open=True), (
+        "Fraction of KV blocks kept free at admission, against thrashing."))
+    max_queue_size: int = setting(256, Ints(1, 1 << 30), (
+        "Waiting requests beyond this are refused (Triton: `UNAVAILABLE`)."))
+    max_prompt_bytes: int = setting(1 << 20, Ints(1, 1 << 40), (
+        "Prompt text beyond this many bytes is refused before tokenizing (a prompt is also held to what "
+        "max_model_len tokens can hold; prompt.py)."))
+    default_max_tokens: int = setting(256, Ints(1, 1 << 24), (
+        "max_tokens of a request that gives none (vLLM's backend: 16)."))
+    seed: int = setting(0, Ints(0, (1 << 64) - 1), "Seed of the sampler for requests without their own seed.")
+
+    # Engine switches. "auto" is resolved when the model loads, per CPU or device, in one place
+    # (cpu_defaults.resolve_cpu_defaults), which logs what it chose and why. docs/cpu.md has the measurements.
+    cpu_gemm: str = setting("auto", Choices(("auto", "onednn", "blas")), (
+        "CPU linears: onednn (weights prepacked at load) or blas (torch's default, MKL: about 2x slower on the "
+        "AMD CPUs measured). auto: onednn where torch's build has it, else blas (also what onednn falls back "
+        "to there)."))
+    cpu_gemv_rows: int | str = setting("auto", AutoOrInts(0, 64), (
+        "CPU, float32: steps of up to this many rows run the linears on a dense copy of each weight kept beside "
+        "oneDNN's packed one (faster at a few rows): through MKL's BLAS on Intel CPUs, through the native decode "
+        "step's own product elsewhere. It costs the linears' weights in memory once more (425 MB for SmolLM2); "
+        "0 keeps no copy, and where nothing reads the copy (not Intel, native step off) it is released. auto: "
+        "3 on Intel CPUs, 4 on others."))
+    cpu_native_decode: bool = setting(True, Bools(), (
+        "CPU, float32: decode-only steps of up to cpu_gemv_rows rows run every layer in one native call, larger "
+        "ones the native norms, attention and SiLU between torch's linears (model/native/decode_step.c, "
+        "compiled on first use with the system's cc into INFLIGHT_NATIVE_CACHE; without a compiler a warning "
+        "says so and the torch forward runs)."))
+    cpu_compile: bool = setting(False, Bools(), (
+        "CPU: compile the decoder layer with torch's inductor where a C++ compiler ($CXX, else g++) is on PATH. "
+        "Off until measured faster: each new step shape compiles a graph (seconds each, a minute cold)."))
+    cpu_thread_governor: bool = setting(True, Bools(), (
+        "CPU: adapt the OpenMP thread count to the cores other processes leave (down to one thread while they "
+        "hold the engine's cores); false keeps it fixed (cpu_threads.py)."))
+    fused_ops: str = setting("auto", Choices(("auto", "0", "1")), (
+        "The Triton RMSNorm and SiLU-and-mul kernels. auto: on CUDA, torch ops elsewhere; 0: torch ops "
+        "everywhere; 1: the kernels everywhere (on CPU that needs TRITON_INTERPRET=1)."))
+    attention_backend: str = setting("auto", Choices(("auto", "triton", "torch")), (
+        "Paged attention. auto: the Triton kernels on CUDA, the torch reference on CPU; triton: always the "
+        "kernels (on CPU that needs TRITON_INTERPRET=1); torch: always the reference (no CUDA graphs then)."))
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        checks = [
-            ("block_size", self.block_size, 1, 1024),
-            ("max_num_seqs", self.max_num_seqs, 1, 1 << 20),
-            ("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 24),
-            ("max_model_len", self.max_model_len, 1, 1 << 24),
-            ("num_kv_blocks", self.num_kv_blocks, 0, 1 << 30),
-            ("max_queue_size", self.max_queue_size, 1, 1 << 30),
-            ("default_max_tokens", self.default_max_tokens, 1, 1 << 24),
-            ("max_prompt_bytes", self.max_prompt_bytes, 1, 1 << 40),
-        ]
-        for name, value, lo, hi in checks:
-            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise ValueError(f"{name}={value!r} is out of range: allowed integers in [{lo}, {hi}]")
-        for name, value in (("fast_lane_share", self.fast_lane_share), ("watermark", self.watermark)):
-            if not 0.0 <= float(value) < 1.0:
-                raise ValueError(f"{name}={value!r} is out of range: allowed [0, 1)")
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} is out of range: "
-                             f"allowed (0, 1]")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r} is not allowed: auto, float32, float16, bfloat16")
+        check_fields(self)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
                 f"{self.max_model_len} when chunked prefill is disabled")
 
     @classmethod
-    def from_options(cls, **options) -> "EngineConfig":
-        """Build from keyword options; unknown names raise, strings are converted to the field's type."""
+    def from_options(cls, environ=None, **options) -> "EngineConfig":
+        """Build from keyword options (strings are parsed as config.pbtxt's are; unknown names raise), then
+        apply the operator's environment overrides (env_overrides.py; `environ` defaults to os.environ)."""
+        from .env_overrides import apply_env_overrides  # it imports this module
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-        kwargs = {}
-        for name, raw in options.items():
-            default = getattr(cls, name)
-            kwargs[name] = _convert(name, raw, type(default))
-        return cls(**kwargs)
-
-
-def _convert(name: str, raw, kind: type):
-    if not isinstance(raw, str):
-        return kind(raw) if kind is float and isinstance(raw, int) else raw
-    text = raw.strip()
-    try:
-        if kind is bool:
-            flag = parse_bool(text)
-            if flag is None:
-                raise ValueError
-            return flag
-        if kind is int:
-            return int(text)
-        if kind is float:
-            return float(text)
-    except ValueError:
-        raise ValueError(f"engine option {name}={raw!r} is malformed: expected {kind.__name__}") from None
-    return text
+        kwargs = {name: parse_value(fields[name], raw) for name, raw in options.items()}
+        return apply_env_overrides(cls(**kwargs), environ)

@@ -16,7 +16,8 @@ hogged). A team of one has no barrier to wait at. So, when adaptive, this sample
 the engine's cores other processes used (/proc/stat, minus this process's own time) and sets the width to the
 cores left over: down at once, back up only after a few quiet samples. After the engine sat idle it measures anew
 (what others did while it idled is no contention) and a quiet first window restores the full width at once.
-The width does not change results: the linears give bitwise-equal outputs at 1 and 2 threads.
+The width does not change results: the linears give bitwise-equal outputs at 1 and 2 threads. The engine option
+cpu_thread_governor=false keeps the width fixed.
 """
 from __future__ import annotations
 
@@ -27,8 +28,6 @@ import time
 from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
-
-GOVERNOR_ENV = "INFLIGHT_CPU_GOVERNOR"
 
 
 # What load_at_one_thread() found and what it left: a second engine in the process, built before the first has
@@ -56,14 +55,6 @@ def width_set_explicitly() -> None:
     engine takes it as found, even if it is 1."""
     global _left_at_one
     _left_at_one = False
-
-
-def governor_choice() -> bool:
-    """INFLIGHT_CPU_GOVERNOR: 1 (default) adapts the thread count to the cores left over; 0 keeps it fixed."""
-    choice = os.environ.get(GOVERNOR_ENV, "1").strip() or "1"
-    if choice not in ("0", "1"):
-        raise ValueError(f"{GOVERNOR_ENV}={choice!r} is not one of 0, 1")
-    return choice == "1"
 
 
 def _cpu_ticks(cpus: Iterable[int], proc_stat: str = "/proc/stat") -> int:

@@ -8,10 +8,10 @@ import os
 
 import torch
 
-from . import attention
 from .attention import AttentionMetadata
 from .config import EngineConfig
-from .cpu_threads import ThreadGovernor, governor_choice, load_at_one_thread
+from .cpu_defaults import resolve_cpu_defaults
+from .cpu_threads import ThreadGovernor, load_at_one_thread
 from .cuda_graphs import StaticDecode
 from .kv_sizing import SizingLock, measure_kv_blocks
 from .model import ModelConfig, load_model
@@ -22,10 +22,6 @@ from .sequence import Sequence
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
-
-# auto (default): the Triton RMSNorm / SiLU-and-mul kernels on CUDA, llama.py's torch ops elsewhere;
-# 0: torch ops everywhere; 1: kernels everywhere (on CPU that needs TRITON_INTERPRET=1).
-FUSED_OPS_ENV = "INFLIGHT_FUSED_OPS"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,40 +41,46 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
+        # Every "auto" switch resolved here, once, for this CPU and device; passed down from here on.
+        self.switches = resolve_cpu_defaults(config)
+        log.info("engine switches: %s", self.switches.summary(self.device.type))
         # On CPU the stepping thread alone runs OpenMP teams: loading runs at one thread, and the first step sets
         # the thread count chosen here (by the operator or the instance placement). See cpu_threads.py.
         self.governor = None
         if self.device.type == "cpu":
             width = load_at_one_thread(torch.get_num_threads, torch.set_num_threads)
             self.governor = ThreadGovernor(width, len(os.sched_getaffinity(0)), torch.set_num_threads,
-                                           adaptive=governor_choice())
+                                           adaptive=self.switches.cpu_thread_governor)
         # Sized from device memory, the pool is measured against what this engine uses, so loading, sizing and
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
-            self.model = load_model(config.model, self.dtype, self.device)
+            self.model = load_model(config.model, self.dtype, self.device, self.switches)
+            self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
             self.num_blocks = config.num_kv_blocks or (
                 self._blocks_from_gpu_memory(sizing.used_before) if self.is_cuda
                 else self._blocks_from_memory_budget())
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             if self.is_cuda and not config.enforce_eager:
-                if attention.backend_for(self.device) == "triton":
+                if self.switches.attention_backend == "triton":
                     self.enable_static_decode(capture=True)
                 else:  # the torch reference reads host-side lengths each step: a replay would reuse stale ones
-                    log.info("no CUDA graphs: %s selects the torch reference attention", attention.BACKEND_ENV)
+                    log.info("no CUDA graphs: attention_backend=torch selects the torch reference attention")
         log.info("model %s: %d layers, KV cache %d blocks of %d tokens (%s, %s)", config.model,
                  self.model_config.num_layers, self.num_blocks, config.block_size, self.dtype, self.device)
 
+    def set_attention_backend(self, backend: str) -> None:
+        """Switch the loaded model's attention (auto, triton, torch), e.g. to compare the two on one engine. CUDA
+        graphs captured with the other backend are not recaptured: compare with enforce_eager."""
+        self.model.set_attention_backend(backend)
+
     def _pick_forward(self):
-        choice = os.environ.get(FUSED_OPS_ENV, "auto").strip().lower() or "auto"
-        if choice not in ("auto", "0", "1"):
-            raise ValueError(f"{FUSED_OPS_ENV}={choice!r} is not one of auto, 0, 1")
-        if choice == "1" or (choice == "auto" and self.is_cuda):
+        if self.switches.fused_ops:
             return functools.partial(fused_forward, self.model)
-        if self.device.type == "cpu" and cpu_forward.compile_choice():
+        if self.device.type == "cpu" and self.switches.cpu_compile:
             return cpu_forward.CompiledCPUForward(self.model)
-        forward = native_decode.native_forward(self.model, self.device, self.dtype)
+        forward = native_decode.native_forward(self.model, self.device, self.dtype, self.switches)
         if forward is None and self.device.type == "cpu":
             release_dense_weights(self.model)  # kept for the native step, where Linear does not take BLAS (AMD)
         return forward or self.model

@@ -5,8 +5,9 @@ model (it waits on the model, which waits on our in-flight requests), and with i
 message, responses included. The HTTP endpoint answers at once: on SIGTERM Triton closes it (connection
 refused), and during an explicit unload the model's ready endpoint says 400 "not ready".
 
-The address comes from INFLIGHT_HEALTH_URL ("off" disables the probe), else from the parent tritonserver's
-command line (--http-address / --http-port; defaults 0.0.0.0:8000, asked on 127.0.0.1).
+The address comes from INFLIGHT_HEALTH_URL ("off" disables the probe; read by inflight/env_overrides.py), else
+from the parent tritonserver's command line (--http-address / --http-port; defaults 0.0.0.0:8000, asked on
+127.0.0.1).
 """
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from inflight.env_overrides import health_url
+
 log = logging.getLogger(__name__)
-
-ENV = "INFLIGHT_HEALTH_URL"
-
 
 def _flag(args: list[str], name: str) -> str | None:
     for i, arg in enumerate(args):
@@ -42,7 +42,7 @@ def base_url_from_cmdline(args: list[str]) -> str | None:
 
 
 def discover_base_url() -> str | None:
-    override = os.environ.get(ENV, "").strip()
+    override = health_url()
     if override:
         return None if override.lower() == "off" else override.rstrip("/")
     try:

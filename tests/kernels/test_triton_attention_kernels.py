@@ -12,6 +12,7 @@ import torch
 from inflight import attention
 from inflight.attention import AttentionMetadata
 from inflight.attention import reference as ref
+from inflight.config import EngineConfig
 
 RATIOS = [(4, 4), (8, 2), (5, 1)]  # q_heads:kv_heads; 5:1 is a non-power-of-two group
 # The interpreter turns loop bounds loaded from memory into ints via a 1-element array (numpy 1.25+ warns).
@@ -220,22 +221,26 @@ def test_dispatch_follows_device_and_env(tk, shape, device, monkeypatch):
     monkeypatch.setattr(tk, "triton_paged_attention", lambda *a: calls.append("attn") or real_attn(*a))
     monkeypatch.setattr(tk, "triton_store_kv", lambda *a: calls.append("store") or real_store(*a))
 
-    monkeypatch.setenv(attention.BACKEND_ENV, "triton")
-    attention.store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
-    out = attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    attention.store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping,
+                       backend="triton")
+    out = attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, backend="triton")
     assert calls == ["store", "attn"]
     check_attention(out, batch, 0.25)
 
     calls.clear()
-    monkeypatch.setenv(attention.BACKEND_ENV, "torch")
+    attention.paged_attention(batch.query, batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num(), batch.meta, 1.0,
+                              backend="torch")
     attention.paged_attention(batch.query, batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num(), batch.meta, 1.0)
-    monkeypatch.delenv(attention.BACKEND_ENV)
-    attention.paged_attention(batch.query, batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num(), batch.meta, 1.0)
-    assert calls == ([] if device.type == "cpu" else ["attn"])
+    assert calls == ([] if device.type == "cpu" else ["attn"])  # auto: the kernels for CUDA tensors only
 
-    monkeypatch.setenv(attention.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="INFLIGHT_ATTENTION"):
-        attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 1.0)
+    with pytest.raises(ValueError, match="attention_backend='cuda' is out of range: allowed auto, triton, torch"):
+        attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 1.0, backend="cuda")
+    # The operator's override reaches the model's layers through the engine config.
+    monkeypatch.setenv("INFLIGHT_ATTENTION", "cuda")
+    with pytest.raises(ValueError, match="INFLIGHT_ATTENTION='cuda' is out of range: allowed auto, triton, torch"):
+        EngineConfig.from_options()
+    monkeypatch.setenv("INFLIGHT_ATTENTION", "torch")
+    assert EngineConfig.from_options(attention_backend="triton").attention_backend == "torch"
 
 
 def test_importing_attention_does_not_import_triton():

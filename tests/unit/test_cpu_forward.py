@@ -1,6 +1,8 @@
 """The compiled CPU forward (model/cpu_forward.py) and its attention op (attention/cpu.py) against the eager
 reference: same logits within float32 rounding on mixed prefill + decode batches, padding that holds NaN never
 leaks, and a clean fallback when compiling is switched off or no C++ compiler exists."""
+import shutil
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from inflight import LLM, SamplingParams
 from inflight.attention import AttentionMetadata
 from inflight.attention import cpu as cpu_attention
 from inflight.attention import reference
+from inflight.config import EngineConfig
+from inflight.cpu_defaults import resolve_cpu_defaults
 from inflight.model import cpu_forward
 
 
@@ -79,13 +83,12 @@ def _logits(llm, prompts, steps):
 def test_compiled_forward_matches_eager_on_mixed_batches(monkeypatch):
     ids = list(range(100, 160))
     prompts = [ids[:1], ids[:7], ids[:40]]
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "0")
-    monkeypatch.setenv("INFLIGHT_CPU_NATIVE", "0")  # llama.py's forward for every step (test_native_decode.py)
-    eager = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)  # 32: the 40-token prompt is chunked
+    # cpu_native_decode=False: llama.py's forward for every step (test_native_decode.py)
+    # 32 tokens a step: the 40-token prompt is chunked
+    eager = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_compile=False, cpu_native_decode=False)
     assert eager.engine.runner.forward is eager.engine.runner.model
     want = _logits(eager, prompts, 6)
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "1")
-    compiled = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    compiled = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_compile=True)
     assert isinstance(compiled.engine.runner.forward, cpu_forward.CompiledCPUForward)
     got = _logits(compiled, prompts, 6)
     assert len(got) == len(want)
@@ -94,20 +97,21 @@ def test_compiled_forward_matches_eager_on_mixed_batches(monkeypatch):
 
 
 def test_compile_switch_and_missing_compiler(monkeypatch):
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "maybe")
-    with pytest.raises(ValueError, match="INFLIGHT_CPU_COMPILE='maybe'"):
-        cpu_forward.compile_choice()
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "1")
+    monkeypatch.setenv("INFLIGHT_CPU_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_COMPILE='maybe' is out of range: allowed true or false"):
+        EngineConfig.from_options()
+    monkeypatch.setenv("INFLIGHT_CPU_COMPILE", "1")
     monkeypatch.setenv("CXX", "no-such-compiler-here")
-    assert cpu_forward.compile_choice() is False
+    assert resolve_cpu_defaults(EngineConfig.from_options()).cpu_compile is False
     monkeypatch.delenv("CXX")
-    monkeypatch.delenv(cpu_forward.COMPILE_ENV)
-    assert cpu_forward.compile_choice() is False  # opt-in until measured faster on a quiet machine
+    assert resolve_cpu_defaults(EngineConfig.from_options()).cpu_compile is (shutil.which("g++") is not None)
+    monkeypatch.delenv("INFLIGHT_CPU_COMPILE")
+    # opt-in until measured faster on a quiet machine
+    assert resolve_cpu_defaults(EngineConfig.from_options()).cpu_compile is False
 
 
 def test_a_failed_compile_reruns_the_step_eagerly_and_stays_eager(monkeypatch):
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "1")
-    llm = LLM(TINY, num_kv_blocks=32)
+    llm = LLM(TINY, num_kv_blocks=32, cpu_compile=True)
     forward = llm.engine.runner.forward
     assert isinstance(forward, cpu_forward.CompiledCPUForward)
 
@@ -118,7 +122,6 @@ def test_a_failed_compile_reruns_the_step_eagerly_and_stays_eager(monkeypatch):
     prompt = list(range(100, 110))
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert forward.is_eager
-    monkeypatch.setenv(cpu_forward.COMPILE_ENV, "0")
-    eager = LLM(TINY, num_kv_blocks=32)
+    eager = LLM(TINY, num_kv_blocks=32, cpu_compile=False)
     want = eager.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert out[0].token_ids == want[0].token_ids

@@ -6,7 +6,10 @@ import threading
 
 import pytest
 
-from inflight.cpu_threads import GOVERNOR_ENV, ThreadGovernor, _cpu_ticks, _own_ticks, governor_choice, read_usage
+from inflight.config import EngineConfig
+from inflight.cpu_threads import ThreadGovernor, _cpu_ticks, _own_ticks, read_usage
+
+GOVERNOR_ENV = "INFLIGHT_CPU_GOVERNOR"
 
 TICKS = 100.0  # per second
 
@@ -164,12 +167,13 @@ def test_proc_files_are_parsed(tmp_path):
 
 def test_the_switch(monkeypatch):
     monkeypatch.delenv(GOVERNOR_ENV, raising=False)
-    assert governor_choice() is True
+    assert EngineConfig.from_options().cpu_thread_governor is True
+    assert EngineConfig.from_options(cpu_thread_governor="false").cpu_thread_governor is False
     monkeypatch.setenv(GOVERNOR_ENV, "0")
-    assert governor_choice() is False
-    monkeypatch.setenv(GOVERNOR_ENV, "yes")
-    with pytest.raises(ValueError, match=GOVERNOR_ENV):
-        governor_choice()
+    assert EngineConfig.from_options(cpu_thread_governor=True).cpu_thread_governor is False
+    monkeypatch.setenv(GOVERNOR_ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{GOVERNOR_ENV}='maybe' is out of range: allowed true or false"):
+        EngineConfig.from_options()
 
 
 def test_a_cpu_runner_loads_at_one_thread_and_its_first_step_sets_the_width(monkeypatch):
@@ -187,8 +191,7 @@ def test_a_cpu_runner_loads_at_one_thread_and_its_first_step_sets_the_width(monk
         assert torch.get_num_threads() == 1  # after loading, before any step
         llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
         assert torch.get_num_threads() == gov.threads
-        monkeypatch.setenv(GOVERNOR_ENV, "0")
-        assert not LLM(TINY, num_kv_blocks=16).engine.runner.governor.adaptive
+        assert not LLM(TINY, num_kv_blocks=16, cpu_thread_governor=False).engine.runner.governor.adaptive
     finally:
         torch.set_num_threads(before)
 

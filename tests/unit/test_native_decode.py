@@ -10,9 +10,11 @@ import torch
 from engine_helpers import TINY
 from inflight import LLM, SamplingParams
 from inflight.attention import AttentionMetadata
+from inflight.config import EngineConfig
+from inflight.cpu_defaults import resolve_cpu_defaults
+from inflight.env_overrides import NATIVE_CACHE_ENV
 from inflight.model import ModelConfig, LlamaForCausalLM, native_decode
 from inflight.model import linear as linear_mod
-from inflight.model.linear import GEMV_ROWS_ENV
 
 needs_native = pytest.mark.skipif(
     linear_mod._ONEDNN is None or not native_decode._torch_sgemm() or shutil.which("cc") is None,
@@ -35,12 +37,10 @@ def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
 def _native(model, monkeypatch, tmp_path, rows=3, blas=True):
     """The native forward with whole steps up to `rows` rows (0: every decode step layer by layer), their linears
     through torch's sgemm (blas) or decode_step.c's own few-row product."""
-    monkeypatch.setattr(linear_mod, "few_row_blas", lambda: blas)
-    monkeypatch.setattr(native_decode, "few_row_blas", lambda: blas)
-    monkeypatch.setenv(GEMV_ROWS_ENV, str(rows))
-    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
-    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
-    forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32)
+    switches = resolve_cpu_defaults(EngineConfig(cpu_gemv_rows=rows), vendor="GenuineIntel" if blas else "AuthenticAMD")
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32, switches)
+    forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32, switches)
     assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == rows
     assert bool(forward.spec.gemm) == (blas and rows > 0)
     return forward
@@ -171,15 +171,12 @@ def _generate(llm, prompts, max_tokens):
 @pytest.mark.parametrize("rows", ["3", "1"])  # 1: the two-row decode steps run layer by layer
 def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path, rows):
     """Two prompts through prefill and decode, then the longer one alone."""
-    monkeypatch.setenv(GEMV_ROWS_ENV, rows)
-    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))
     prompts = [list(range(100, 109)), list(range(300, 340))]
-    monkeypatch.setenv(native_decode.NATIVE_ENV, "0")
-    plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=False)
     assert plain.engine.runner.forward is plain.engine.runner.model
     want_tokens, want_logits = _generate(plain, prompts, 12)
-    monkeypatch.setenv(native_decode.NATIVE_ENV, "1")
-    native = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32)
+    native = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=True)
     forward = native.engine.runner.forward
     assert isinstance(forward, native_decode.NativeDecodeForward)
     got_tokens, got_logits = _generate(native, prompts, 12)
@@ -191,10 +188,14 @@ def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path, rows):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
 
 
-def test_switch_is_validated(monkeypatch):
-    monkeypatch.setenv(native_decode.NATIVE_ENV, "yes")
-    with pytest.raises(ValueError, match="INFLIGHT_CPU_NATIVE='yes' is not one of 0, 1"):
-        native_decode.native_choice()
+def test_switch_is_validated_and_the_variable_overrides_it(monkeypatch):
+    with pytest.raises(ValueError, match="cpu_native_decode='maybe' is malformed: expected true or false"):
+        EngineConfig.from_options(cpu_native_decode="maybe")
+    monkeypatch.setenv("INFLIGHT_CPU_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_NATIVE='maybe' is out of range: allowed true or false"):
+        EngineConfig.from_options()
+    monkeypatch.setenv("INFLIGHT_CPU_NATIVE", "0")
+    assert EngineConfig.from_options(cpu_native_decode="true").cpu_native_decode is False
 
 
 def test_not_for_bfloat16():
@@ -213,30 +214,30 @@ def test_without_dense_weights_every_decode_step_runs_layer_by_layer(monkeypatch
 @needs_native
 def test_without_a_compiler_the_forward_stays_in_torch(monkeypatch, tmp_path, caplog):
     model = _random_model(False, 16)
-    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
-    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
-    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path / "empty"))
+    switches = resolve_cpu_defaults(EngineConfig(cpu_gemv_rows=3))
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32, switches)
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path / "empty"))
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with caplog.at_level(logging.WARNING):
-        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32, switches) is None
     assert "no C compiler (no-such-compiler-here)" in caplog.text and "INFLIGHT_CPU_NATIVE=0" in caplog.text
 
 
 @needs_native
 def test_a_library_that_does_not_load_leaves_the_forward_in_torch(monkeypatch, tmp_path, caplog):
     model = _random_model(False, 16)
-    monkeypatch.setenv(GEMV_ROWS_ENV, "3")
-    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32)
+    switches = resolve_cpu_defaults(EngineConfig(cpu_gemv_rows=3))
+    linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32, switches)
     broken = tmp_path / "decode_step-broken.so"
     broken.write_text("not a shared library")
     monkeypatch.setattr(native_decode, "build_library", lambda: str(broken))
     with caplog.at_level(logging.WARNING):
-        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32) is None
+        assert native_decode.native_forward(model, torch.device("cpu"), torch.float32, switches) is None
     assert "native CPU decode step unavailable" in caplog.text and str(broken) in caplog.text
 
 
 def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
-    monkeypatch.setenv(native_decode.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))  # the cache directory is an environment-only setting
     first = native_decode.build_library()
     assert first.startswith(str(tmp_path)) and first.endswith(".so")
     monkeypatch.setenv("CC", "no-such-compiler-here")  # the compiler is part of the key: a new build
@@ -279,7 +280,6 @@ def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width
 @pytest.mark.parametrize("blas", [False, True])
 def test_dense_copies_are_released_where_nothing_reads_them(monkeypatch, blas):
     # Where Linear takes no BLAS (AMD), the dense copies serve the native step alone: with it off they go.
-    monkeypatch.setattr(linear_mod, "few_row_blas", lambda: blas)
-    monkeypatch.setenv(native_decode.NATIVE_ENV, "0")
-    down = LLM(TINY, num_kv_blocks=16).engine.runner.model.layers[0].mlp.down_proj
+    monkeypatch.setattr("inflight.cpu_defaults.cpu_vendor", lambda: "GenuineIntel" if blas else "AuthenticAMD")
+    down = LLM(TINY, num_kv_blocks=16, cpu_native_decode=False).engine.runner.model.layers[0].mlp.down_proj
     assert down.packed_weight is not None and (down.weight.numel() > 0) == blas

@@ -80,7 +80,8 @@ def test_padded_static_decode_equals_normal_path(backend, monkeypatch):
     if backend == "triton":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("CPU check of the Triton path needs the interpreter (tests/conftest.py sets it without a GPU)")
-        # The CUDA configuration on CPU: Triton attention and the fused norm / activation kernels.
+        # The CUDA configuration on CPU: Triton attention and the fused norm / activation kernels, set as
+        # an operator would (the environment overrides the options _run builds its engine with).
         monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
         monkeypatch.setenv("INFLIGHT_FUSED_OPS", "1")
     want_ids, want_logits, _ = _run(static=False)

@@ -8,15 +8,15 @@ compile time that of one layer (the graph takes the layer's weights as inputs, s
 Same modules, same weights, same math as LlamaForCausalLM.forward; only the summation order inside fused
 loops can differ (within float32 rounding).
 
-Needs a C++ compiler (inductor builds its kernels with the system's g++); without one, or with
-INFLIGHT_CPU_COMPILE=0, the runner keeps the eager forward.
+Opt-in (the engine option cpu_compile, resolved in cpu_defaults.py): off by default until it is measured faster on
+a quiet machine, since each new step shape compiles a graph (seconds each, a minute cold), which the served
+figures and the test suite's timings would pay. Needs a C++ compiler (inductor builds its kernels with the
+system's g++); without one the runner keeps the eager forward.
 """
 from __future__ import annotations
 
 import locale
 import logging
-import os
-import shutil
 
 import torch
 
@@ -26,25 +26,7 @@ from .llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-COMPILE_ENV = "INFLIGHT_CPU_COMPILE"
 RECOMPILE_LIMIT = 64
-
-
-def compile_choice() -> bool:
-    """INFLIGHT_CPU_COMPILE: 1 compiles where a C++ compiler exists; 0 (the default) keeps the eager forward.
-
-    Off by default until it is measured faster on a quiet machine: each new step shape compiles a graph
-    (seconds each, a minute cold), which the served figures and the test suite's timings would pay."""
-    choice = os.environ.get(COMPILE_ENV, "0").strip().lower() or "0"
-    if choice not in ("0", "1"):
-        raise ValueError(f"{COMPILE_ENV}={choice!r} is not one of 0, 1")
-    if choice == "0":
-        return False
-    compiler = os.environ.get("CXX") or "g++"
-    if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s) on PATH: the CPU forward stays eager (slower)", compiler)
-        return False
-    return True
 
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

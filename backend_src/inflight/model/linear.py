@@ -3,36 +3,33 @@
 Why: MKL's sgemm picks slow code paths on non-Intel CPUs (this project's 2-core AMD EPYC CI machine runs
 the lm_head 2x slower through it), while oneDNN dispatches on the CPU's instruction sets. On the SmolLM2
 shapes oneDNN is as fast or faster from 4 rows up (perf/offline_bench.py has the model-level figures).
-INFLIGHT_CPU_GEMM=blas restores torch's default; CUDA tensors never take this path.
+The engine option cpu_gemm=blas restores torch's default; CUDA tensors never take this path.
 
 Except at a few rows: a decode step of one to three sequences is a matrix-vector product, bound by how fast
 the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, in] weight) streams at the
 machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
 project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
 faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
-one for up to INFLIGHT_CPU_GEMV_ROWS rows (0 releases it). On Intel CPUs Linear takes BLAS there (default 3
+one for up to cpu_gemv_rows rows (0 releases it). On Intel CPUs Linear takes BLAS there (default 3
 rows); on others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD
 EPYC), so only the native decode step reads the dense weight, through its own product (model/native_decode.py),
 which beats oneDNN up to four rows on an EPYC Zen 3 (default 4); where that step does not load, the copies are
 released. The cost is memory: the linears' weights twice (425 MB for SmolLM2, whose tied lm_head is shared
 anyway); where that would exceed a quarter of the memory available at load, the dense copies are released and a
-warning says so.
+warning says so. Which GEMM and how many rows are resolved per CPU in cpu_defaults.py and passed in here.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMM_ENV = "INFLIGHT_CPU_GEMM"
-GEMV_ROWS_ENV = "INFLIGHT_CPU_GEMV_ROWS"
-DEFAULT_GEMV_ROWS_BLAS = 3  # Intel: MKL's sgemv/sgemm on the dense weight, measured on a Xeon
-DEFAULT_GEMV_ROWS_NATIVE = 4  # elsewhere: decode_step.c's product, measured on an EPYC Zen 3 (docs/cpu.md)
-MAX_GEMV_ROWS = 64
+if TYPE_CHECKING:
+    from ..cpu_defaults import ResolvedSwitches
 
 log = logging.getLogger(__name__)
 
@@ -49,45 +46,24 @@ def _onednn_linear():
         return None
 
 
+def onednn_available() -> bool:
+    """Whether this torch build has a working oneDNN linear (cpu_defaults.py resolves cpu_gemm with it)."""
+    return _ONEDNN is not None
+
+
 def cpu_gemm_choice() -> str:
-    """onednn (default where available) or blas, from INFLIGHT_CPU_GEMM."""
-    choice = os.environ.get(GEMM_ENV, "onednn").strip().lower() or "onednn"
-    if choice not in ("onednn", "blas"):
-        raise ValueError(f"{GEMM_ENV}={choice!r} is not one of onednn, blas")
-    return choice if _ONEDNN is not None else "blas"
+    """onednn or blas: what an engine built now with default options would take (for benchmark reports)."""
+    from ..config import EngineConfig
+    from ..cpu_defaults import resolve_cpu_defaults
+    return resolve_cpu_defaults(EngineConfig.from_options()).cpu_gemm
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor_id from /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def gemv_rows() -> int:
-    """Up to how many rows float32 linears keep a dense weight for the few-row path (INFLIGHT_CPU_GEMV_ROWS;
-    0: release it): BLAS where that is fast (few_row_blas), the native decode step's own product in any case."""
-    default = DEFAULT_GEMV_ROWS_BLAS if few_row_blas() else DEFAULT_GEMV_ROWS_NATIVE
-    raw = os.environ.get(GEMV_ROWS_ENV, "").strip() or str(default)
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = -1
-    if not 0 <= rows <= MAX_GEMV_ROWS:
-        raise ValueError(f"{GEMV_ROWS_ENV}={raw!r} is not a whole number of rows in 0..{MAX_GEMV_ROWS}")
-    return rows
-
-
-def few_row_blas() -> bool:
-    """Whether Linear itself takes BLAS at a few rows: on Intel CPUs, where MKL's sgemv was measured fastest. On
-    AMD's (this project's EPYC) MKL took 1.5-2.5x oneDNN's time, so there only the native step uses the dense
-    weight, through its own product."""
-    return cpu_vendor() == "GenuineIntel"
+def host_defaults() -> "ResolvedSwitches":
+    """The switches of a default EngineConfig on this host, no environment: for callers that load a model
+    outside an engine (tests, probes)."""
+    from ..config import EngineConfig
+    from ..cpu_defaults import resolve_cpu_defaults
+    return resolve_cpu_defaults(EngineConfig())
 
 
 def _available_memory_bytes() -> int:
@@ -175,27 +151,30 @@ class Linear(DirectCall, nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                    switches: "ResolvedSwitches | None" = None) -> str:
     """Point every Linear of the model at oneDNN (prepacked weights) or BLAS; returns the choice, for the log.
+    `switches` (cpu_defaults.py) says which GEMM and how many rows take the few-row path; None: host_defaults().
 
     Prepacking (reordering the weight into oneDNN's blocked layout once, at load) saves the reorder every
     call would otherwise do: 15-30% per matmul from 5 rows up. The dense weight is kept for the few-row BLAS
-    path (float32, INFLIGHT_CPU_GEMV_ROWS > 0, within the memory budget above) and otherwise released, so the
+    path (float32, cpu_gemv_rows > 0, within the memory budget above) and otherwise released, so the
     model does not hold its weights twice, unless another module shares it (a tied lm_head).
     """
-    use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemm_choice() == "onednn"
+    switches = switches or host_defaults()
+    use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and switches.cpu_gemm == "onednn"
            and onednn_packs(dtype))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = _shared_weights(model)
-    blas = few_row_blas()  # reads /proc/cpuinfo: once for the model, not once per layer
-    few_rows = gemv_rows() if use and dtype == torch.float32 else 0
+    blas = switches.few_row_blas
+    few_rows = switches.cpu_gemv_rows if use and dtype == torch.float32 else 0
     if few_rows:
         kept = sum(m.weight.numel() * m.weight.element_size() for m in linears if id(m.weight) not in shared)
         budget = _available_memory_bytes() // 4
         if kept > budget:
             log.warning("CPU linears: not keeping dense weights for the %d-row BLAS path: %.0f MB would exceed a "
-                        "quarter of the memory available (%.0f MB); %s=0 silences this", few_rows, kept / 2**20,
-                        budget / 2**20, GEMV_ROWS_ENV)
+                        "quarter of the memory available (%.0f MB); cpu_gemv_rows=0 silences this", few_rows,
+                        kept / 2**20, budget / 2**20)
             few_rows = 0
     for layer in linears:
         if use and layer.packed_weight is None:

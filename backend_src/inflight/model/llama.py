@@ -60,6 +60,7 @@ class Attention(DirectCall):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.attention_backend = "auto"  # the engine's resolved attention_backend (set_attention_backend)
 
     def project_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim] and k, v [tokens, kv_heads, head_dim], RoPE applied to q and k."""
@@ -72,8 +73,8 @@ class Attention(DirectCall):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.reference_plan)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.reference_plan, self.attention_backend)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -131,3 +132,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def set_attention_backend(self, backend: str) -> None:
+        """auto, triton or torch for every layer's store_kv / paged_attention (attention/__init__.py)."""
+        for layer in self.layers:
+            layer.self_attn.attention_backend = backend

@@ -30,7 +30,9 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device, switches=None) -> LlamaForCausalLM:
+    """switches: the engine's resolved switches (cpu_defaults.py) for the CPU linears; None: this host's
+    defaults."""
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -60,5 +62,5 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Lla
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; meta init left it empty
     model = model.to(device).eval()
-    select_cpu_gemm(model, torch.device(device), dtype)
+    select_cpu_gemm(model, torch.device(device), dtype, switches)
     return model

@@ -6,11 +6,12 @@ layer's norms, RoPE, K/V store, attention, SiLU-and-mul and residuals) as plain 
 calls torch makes (MKL's sgemm, looked up in torch's own library, so threads and results are torch's), or, on
 CPUs where MKL is slow at a few rows (AMD's; model/linear.py), its own few-row product over the same dense weights.
 
-A decode-only step of at most INFLIGHT_CPU_GEMV_ROWS rows (the rows for which the linears keep a dense weight,
+A decode-only step of at most cpu_gemv_rows rows (the rows for which the linears keep a dense weight,
 model/linear.py) runs whole in one call. A larger decode-only step, where oneDNN's packed
 linears are faster, runs layer by layer: torch's linears with the native pieces between them. Steps with a
-prefill chunk run llama.py's forward. INFLIGHT_CPU_NATIVE=0 turns all of it off. The library is compiled on
-first use with the system's C compiler (a fraction of a second) into a cache directory; with no compiler, or if
+prefill chunk run llama.py's forward. The engine option cpu_native_decode=false turns all of it off. The library
+is compiled on first use with the system's C compiler (a fraction of a second) into a cache directory
+(INFLIGHT_NATIVE_CACHE, read by env_overrides.py); with no compiler, or if
 the build fails, the forward stays in torch and a warning says why. docs/cpu.md has the measurements.
 """
 from __future__ import annotations
@@ -27,13 +28,13 @@ import tempfile
 import torch
 
 from ..attention import AttentionMetadata
-from .linear import few_row_blas, gemv_rows
+from ..cpu_defaults import ResolvedSwitches
+from ..env_overrides import native_cache_dir
+from .linear import host_defaults
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-NATIVE_ENV = "INFLIGHT_CPU_NATIVE"
-CACHE_ENV = "INFLIGHT_NATIVE_CACHE"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_step.c")
 # No FMA contraction: the elementwise steps then round as torch's separate multiply and add kernels do.
 # -fopenmp: attention over long contexts splits across the OpenMP team; the library then needs libgomp.so.1,
@@ -51,16 +52,8 @@ class _Model(ctypes.Structure):
         ("gemm", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p)), ("final_norm", ctypes.c_void_p)]
 
 
-def native_choice() -> bool:
-    """INFLIGHT_CPU_NATIVE: 1 (default) uses the native decode step where it applies; 0 never."""
-    choice = os.environ.get(NATIVE_ENV, "1").strip() or "1"
-    if choice not in ("0", "1"):
-        raise ValueError(f"{NATIVE_ENV}={choice!r} is not one of 0, 1")
-    return choice == "1"
-
-
 def _cache_dir() -> str:
-    explicit = os.environ.get(CACHE_ENV)
+    explicit = native_cache_dir()
     if explicit:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -269,24 +262,27 @@ def _linears(model: LlamaForCausalLM):
         yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
-def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype):
+def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                   switches: ResolvedSwitches | None = None):
     """A NativeDecodeForward for this model where the native step applies and builds, else None (and why, in
-    the log at info or warning level)."""
-    if device.type != "cpu" or dtype != torch.float32 or not native_choice():
+    the log at info or warning level). `switches` (cpu_defaults.py): whether it is on, its row limit and whether
+    Linear takes BLAS at a few rows; None: host_defaults()."""
+    switches = switches or host_defaults()
+    if device.type != "cpu" or dtype != torch.float32 or not switches.cpu_native_decode:
         return None
     if sys.platform != "linux":
         log.info("native CPU decode step: not on %s", sys.platform)
         return None
     # Whole steps need the dense weights that select_cpu_gemm keeps for the few-row path (model/linear.py), and
     # torch's sgemm where Linear takes BLAS there too (Intel), else decode_step.c's own product.
-    max_rows = gemv_rows() if all(layer.weight.numel() for layer in _linears(model)) else 0
-    gemm = _torch_sgemm() if max_rows and few_row_blas() else 0
+    max_rows = switches.cpu_gemv_rows if all(layer.weight.numel() for layer in _linears(model)) else 0
+    gemm = _torch_sgemm() if max_rows and switches.few_row_blas else 0
     try:
         # Loading can fail too: a cache directory on a noexec mount, a foreign file under the library's name.
         forward = NativeDecodeForward(model, build_library(), gemm, max_rows)
     except (RuntimeError, OSError) as exc:
-        log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); %s=0 silences "
-                    "this", exc, NATIVE_ENV)
+        log.warning("native CPU decode step unavailable (%s): decode steps stay in torch (slower); "
+                    "cpu_native_decode=false (or INFLIGHT_CPU_NATIVE=0) silences this", exc)
         return None
     head = model.lm_head
     if max_rows and not gemm and head.weight.numel() and head.weight.is_contiguous() \
