@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ATTENTION_ENV = "INFLIGHT_ATTENTION"
 # variable -> EngineConfig field
 OVERRIDES: dict[str, str] = {
     "INFLIGHT_CPU_GEMM": "cpu_gemm",
@@ -28,7 +29,7 @@ OVERRIDES: dict[str, str] = {
     "INFLIGHT_CPU_COMPILE": "cpu_compile",
     "INFLIGHT_CPU_GOVERNOR": "cpu_thread_governor",
     "INFLIGHT_FUSED_OPS": "fused_ops",
-    "INFLIGHT_ATTENTION": "attention_backend",
+    ATTENTION_ENV: "attention_backend",
 }
 NATIVE_CACHE_ENV = "INFLIGHT_NATIVE_CACHE"
 HEALTH_URL_ENV = "INFLIGHT_HEALTH_URL"

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from inflight.config import EngineConfig
-from inflight.fields import RequestLimits, parse_bool
+from inflight.fields import RequestLimits
+from inflight.settings import Bools, Ints, Text, check_fields, parse_value, setting
 
 DEFAULT_MODEL = "../models/SmolLM2-135M-Instruct"  # the checkout's models/, seen from model_repository/
 
@@ -34,14 +35,39 @@ class ServingOptions:
                 "apply_chat_template": self.default_apply_chat_template}
 
 
-# name -> (default, lo, hi); glue settings that are not engine options.
-_GLUE_INTS = {
-    "cancel_check_period_ms": (100, 1, 60_000),
-    "metrics_interval_ms": (1000, 10, 3_600_000),
-}
-_GLUE_STRS = {"request_hook_module": ""}
-_GLUE_BOOLS = {"default_exclude_input_in_output": True,
-               "default_apply_chat_template": False}
+_LIMITS = RequestLimits()
+_CAP = Ints(1, 1 << 40)
+
+
+@dataclass(frozen=True)
+class GlueParameters:
+    """The config.pbtxt parameters that are not EngineConfig fields: the Triton glue's settings and the request
+    caps, declared as the engine's fields are (inflight/settings.py), so docs/parameters.md lists them too."""
+    cancel_check_period_ms: int = setting(100, Ints(1, 60_000), (
+        "How often in-flight requests are checked for cancellation (not per token)."))
+    metrics_interval_ms: int = setting(1000, Ints(10, 3_600_000), "How often engine metrics are published on "
+                                                                  "`/metrics`.")
+    request_hook_module: str = setting("", Text("an importable module name, or empty for none"), (
+        "Tests only: a module whose request hook claims one request parameter (serving/request_hooks.py; the "
+        "fault tests name tests/fault_hooks.py, copied beside model.py)."))
+    default_exclude_input_in_output: bool = setting(True, Bools(), (
+        "For a request that does not say: true returns only new text; false puts the prompt before a "
+        "non-streamed output, as vLLM and TensorRT-LLM do."))
+    default_apply_chat_template: bool = setting(False, Bools(), (
+        "For a request that does not say: false takes text_input as raw text (both peers); true renders the "
+        "model's chat template around it, for raw-text clients of an instruct model."))
+    # The abuse caps on list-valued fields and the sampling_parameters JSON (RequestLimits), checked before
+    # any work; a prompt's own cap is the engine's max_prompt_bytes.
+    max_json_bytes: int = setting(_LIMITS.max_json_bytes, _CAP, "Bytes of the sampling_parameters JSON at most.")
+    max_stop_words: int = setting(_LIMITS.max_stop_words, _CAP, "Stop words, and bad words, per request at most.")
+    max_word_bytes: int = setting(_LIMITS.max_word_bytes, _CAP, "Bytes of one stop or bad word at most.")
+    max_stop_token_ids: int = setting(_LIMITS.max_stop_token_ids, _CAP, "Stop token ids per request at most.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+_GLUE_FIELDS = {f.name: f for f in dataclasses.fields(GlueParameters)}
 _LIMIT_NAMES = tuple(f.name for f in dataclasses.fields(RequestLimits))
 
 
@@ -53,23 +79,6 @@ def flatten_triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]
             value = value.get("string_value", "")
         out[name] = str(value)
     return out
-
-
-def _int(name: str, raw: str, lo: int, hi: int) -> int:
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise ValueError(f"parameter {name}={raw!r} is malformed: expected an integer in [{lo}, {hi}]") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"parameter {name}={value} is out of range: allowed [{lo}, {hi}]")
-    return value
-
-
-def _bool(name: str, raw: str) -> bool:
-    flag = parse_bool(str(raw))
-    if flag is None:
-        raise ValueError(f"parameter {name}={raw!r} is malformed: expected true or false")
-    return flag
 
 
 def resolve_model_path(raw: str, root: Path) -> Path:
@@ -91,7 +100,7 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
     Blank values (a parameter left as "") mean "use the default"."""
     params = {k: v for k, v in parameters.items() if str(v).strip() != ""}
     engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
-    known = engine_names | set(_GLUE_INTS) | set(_GLUE_STRS) | set(_GLUE_BOOLS) | set(_LIMIT_NAMES)
+    known = engine_names | set(_GLUE_FIELDS)
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"unknown model parameter(s) {', '.join(unknown)}: allowed {', '.join(sorted(known))}")
@@ -101,9 +110,12 @@ def parse_model_parameters(parameters: Mapping[str, str], root: Path) -> Serving
         engine = EngineConfig.from_options(**engine_opts)
     except ValueError as e:
         raise ValueError(f"model parameters: {e}") from None
-    limits = RequestLimits(**{n: _int(n, params[n], 1, 1 << 40) for n in _LIMIT_NAMES if n in params})
-    glue = {n: _int(n, params.get(n, str(d)), lo, hi) for n, (d, lo, hi) in _GLUE_INTS.items()}
-    flags = {n: _bool(n, params[n]) if n in params else d for n, d in _GLUE_BOOLS.items()}
-    flags |= {n: params.get(n, d).strip() for n, d in _GLUE_STRS.items()}
-    return ServingOptions(engine, limits, glue["cancel_check_period_ms"] / 1000.0, glue["metrics_interval_ms"] / 1000.0,
-                          **flags)
+    try:
+        glue = GlueParameters(**{n: parse_value(f, params[n]) for n, f in _GLUE_FIELDS.items() if n in params})
+    except ValueError as e:
+        raise ValueError(f"parameter {e}") from None
+    limits = RequestLimits(**{n: getattr(glue, n) for n in _LIMIT_NAMES})
+    return ServingOptions(engine, limits, glue.cancel_check_period_ms / 1000.0, glue.metrics_interval_ms / 1000.0,
+                          request_hook_module=glue.request_hook_module,
+                          default_exclude_input_in_output=glue.default_exclude_input_in_output,
+                          default_apply_chat_template=glue.default_apply_chat_template)
