@@ -3,7 +3,7 @@ device, in one place, and said once in the log at load.
 
 Why per CPU: MKL's few-row products are fast on Intel CPUs and slow elsewhere (AMD: 1.5-2.5x oneDNN's time at
 one to three rows), so on Intel Linear takes BLAS for up to 3 rows, elsewhere the native decode step's own
-product serves up to 4 (docs/cpu.md, perf/gemv_rows.py). oneDNN's linear is the default where torch's build
+product serves up to 4 (docs/cpu.md, perf/probes/gemv_rows.py). oneDNN's linear is the default where torch's build
 has it.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ _left_at_one = False
 def load_at_one_thread(get_threads: Callable[[], int], set_threads: Callable[[int], None]) -> int:
     """Drop the calling thread to one OpenMP thread for loading; returns the width to step at: the thread's
     count as found, or, when that is the 1 an earlier engine left for its own loading, the width that engine
-    found. (Without this, `LLM(...)` built twice before any step, as perf/offline_bench.py does, gave the second
+    found. (Without this, `LLM(...)` built twice before any step, as perf/bench/offline.py does, gave the second
     engine a single thread.) To run a later engine at one thread on purpose, build it with OMP_NUM_THREADS=1 in
     the environment or after torch.set_num_threads(1) before the first engine."""
     global _width_found, _left_at_one

@@ -1,5 +1,5 @@
 """Steady streaming traffic through both A/B arms for a while: the load behind the dashboard test
-(tests/deploy/test_dashboard.py), the dashboard picture (perf/dashboard_snapshot.py) and the instance test."""
+(tests/deploy/test_dashboard.py), the dashboard picture (perf/bench/dashboard_snapshot.py) and the instance test."""
 from __future__ import annotations
 
 import random

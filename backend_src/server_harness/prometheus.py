@@ -1,7 +1,7 @@
 """Real Prometheus for tests and the dashboard picture: start it on a scrape target with the project's config
 and alert rules (docker/prometheus/), query its HTTP API, and list the PromQL of the Grafana dashboard's
 panels (docker/grafana/dashboards/) and of the alert rules. Used by tests/deploy/test_dashboard.py and
-perf/dashboard_snapshot.py. Needs the `prometheus` binary (Debian's package: scripts/setup_docker.sh).
+perf/bench/dashboard_snapshot.py. Needs the `prometheus` binary (Debian's package: scripts/setup_docker.sh).
 """
 from __future__ import annotations
 

@@ -160,8 +160,8 @@ def test_config_swap_serves_llm_with_the_dynamic_arm(repo, server, tmp_path):
 
 def test_the_harness_runs_end_to_end_in_tiny_mode(tmp_path):
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, str(ROOT / "perf" / "ab_harness.py"), "--tiny", "--results-dir",
-                           str(tmp_path), "--name", "tiny"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "perf.ab", "--tiny", "--results-dir", str(tmp_path), "--name", "tiny"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "tiny"
     report = (out / "report.md").read_text()

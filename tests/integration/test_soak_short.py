@@ -1,4 +1,4 @@
-"""The short soak: perf/soak.py for 30 s of mixed traffic on tiny-llama, end to end as a user runs it.
+"""The short soak: `python -m perf.soak` for 30 s of mixed traffic on tiny-llama, end to end as a user runs it.
 Every request gets exactly one final, no KV block leaks, the server's count of finished requests equals the
 requests that reached it, and nothing is left behind."""
 import json
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
         pytest.skip("models/tiny-llama missing: run `make setup`")
-    proc = subprocess.run([sys.executable, str(ROOT / "perf" / "soak.py"), "--seconds", "30", "--tiny",
+    proc = subprocess.run([sys.executable, "-m", "perf.soak", "--seconds", "30", "--tiny",
                            "--concurrency", "4", "--name", "short", "--results-dir", str(tmp_path), "--sample-s", "2"],
                           capture_output=True, text=True, timeout=280, cwd=ROOT)
     out_dir = tmp_path / "soak-short"

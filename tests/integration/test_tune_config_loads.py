@@ -1,5 +1,5 @@
-"""A tuned config (llm/configs/<name>.pbtxt, written by perf/tune.py search) loads in the real tritonserver under
---model-config-name and serves; the verify replayer measures what it streams (tiny-llama, loopback)."""
+"""A tuned config (llm/configs/<name>.pbtxt, written by `python -m tuner search`) loads in the real tritonserver
+under --model-config-name and serves; the verify replayer measures what it streams (tiny-llama, loopback)."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,12 @@ import shutil
 import time
 from pathlib import Path
 
-import tune_config
 from engine_helpers import MODEL_REPOSITORY, TINY
 from server_harness.quiescence import scrape
 from server_harness.repository import copy_model
-from tune_sim import kv_blocks
-from tune_verify import replay, server_figures
+from tuner import config_writer
+from tuner.sim import kv_blocks
+from tuner.verify import replay, server_figures
 
 TUNED = {"max_num_seqs": 6, "max_num_batched_tokens": 48, "fast_lane_share": 0.5, "block_size": 32,
          "kv_cache_memory_bytes": 8 << 20, "threads": 1}
@@ -21,14 +21,14 @@ TUNED = {"max_num_seqs": 6, "max_num_batched_tokens": 48, "fast_lane_share": 0.5
 def _committed_or_fresh(repo: Path) -> Path:
     """The project's committed tuned config if there is one (its model pointed at tiny-llama, the one value the
     test changes), else one written now by the tuner's writer."""
-    committed = tune_config.tuned_configs(MODEL_REPOSITORY)
+    committed = config_writer.tuned_configs(MODEL_REPOSITORY)
     configs = repo / "llm" / "configs"
     if committed:
         source = committed[0]
-        text = tune_config.render(source.read_text(), {"model": TINY}, "copy for the load test")
+        text = config_writer.render(source.read_text(), {"model": TINY}, "copy for the load test")
         (configs / source.name).write_text(text)
         return configs / source.name
-    return tune_config.write(repo, "slatest", {**TUNED, "model": TINY}, "written by the load test")
+    return config_writer.write(repo, "slatest", {**TUNED, "model": TINY}, "written by the load test")
 
 
 def test_a_tuned_config_loads_and_serves(tmp_path, triton_server_factory):
@@ -44,7 +44,7 @@ def test_a_tuned_config_loads_and_serves(tmp_path, triton_server_factory):
     assert figures["output_tokens"] == 12  # ignore_eos: exactly max_tokens each
     assert 0 < figures["ttft_p50_ms"] < 30_000 and figures["itl_p99_ms"] > 0
     # The engine really runs with the tuned values: its pool is the one the tuned config asks for.
-    params = tune_config.engine_parameters(path.read_text())
+    params = config_writer.engine_parameters(path.read_text())
     cfg = json.loads((Path(TINY) / "config.json").read_text())
     kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
         cfg["hidden_size"] // cfg["num_attention_heads"]) * 4

@@ -1,19 +1,19 @@
 """The Triton kernel variants a first GPU session compiles cold, built here for sm_90 without a GPU.
 
-Settles two risks before device minutes are spent: how long compiling them takes (perf/gpu_check.sh gives
+Settles two risks before device minutes are spent: how long compiling them takes (perf/gpu/check.sh gives
 the kernel tests a fixed timeout, and a cold Triton cache compiles every variant) and whether any variant
 needs more shared memory than an H100/H200 block may have (it would fail only at launch, on the GPU).
 
 The launches are those of the GPU runs: tests/kernels/test_triton_attention_kernels.py at its GPU shape
 (head_dim 128, block 16), the fused-op tests, tests/kernels/test_cuda_runner.py (tiny-llama, fp32 and bf16,
-decode buckets 1-8) and perf/gpu_bench.py (Qwen2-0.5B shape, bf16, decode buckets 1-256 at max_model_len
+decode buckets 1-8) and perf/gpu/bench.py (Qwen2-0.5B shape, bf16, decode buckets 1-256 at max_model_len
 4096, 132 SMs for the split-KV choice). Each wrapper is called with CPU tensors of those shapes while its
 kernels only record what they are launched with; every distinct variant is then compiled as JITFunction.run
 would on an sm_90 device.
 
     TRITON_INTERPRET=0 PYTHONPATH=backend_src:tests/kernels .venv/bin/python tests/kernels/gpu_variants.py --json F
 
-perf/gpu_check.sh also runs it on the GPU host before the kernel tests, with a process per core: the compiled
+perf/gpu/check.sh also runs it on the GPU host before the kernel tests, with a process per core: the compiled
 kernels land in triton's cache under the keys the tests' launches compute, so the tests (with their timeout)
 find most of them compiled; any it misses they compile as before.
 """

@@ -8,9 +8,9 @@ import stat
 from pathlib import Path
 from types import SimpleNamespace
 
-import ab_harness
-import ab_tools
-import ab_workloads
+from perf.ab import harness as ab_harness
+from perf.ab import tools as ab_tools
+from perf.ab import workloads as ab_workloads
 
 EXPORT = {"experiments": [{"requests": [
     {"timestamp": 0, "response_timestamps": [1_000_000, 2_000_000],

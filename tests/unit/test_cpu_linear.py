@@ -67,7 +67,7 @@ def test_unknown_choice_names_the_option_or_the_variable(monkeypatch):
         EngineConfig.from_options()
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "blas")  # the operator's override wins over the option
     assert EngineConfig.from_options(cpu_gemm="onednn").cpu_gemm == "blas"
-    assert linear_mod.cpu_gemm_choice() == "blas"  # what perf/offline_bench.py reports
+    assert linear_mod.cpu_gemm_choice() == "blas"  # what perf/bench/offline.py reports
 
 
 def test_float16_on_cpu_stays_on_blas():

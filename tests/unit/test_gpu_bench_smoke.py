@@ -1,4 +1,4 @@
-"""perf/gpu_bench.py --smoke on CPU (tiny random Qwen2, Triton in the interpreter), so the GPU script cannot rot."""
+"""perf/gpu/bench.py --smoke on CPU (tiny random Qwen2, Triton in the interpreter), so the GPU script cannot rot."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ from engine_helpers import ROOT
 def test_gpu_bench_smoke_runs_and_reports(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("INFLIGHT_ATTENTION", None)
-    cmd = [sys.executable, os.path.join(ROOT, "perf", "gpu_bench.py"), "--smoke", "--out", str(tmp_path),
+    cmd = [sys.executable, "-m", "perf.gpu.bench", "--smoke", "--out", str(tmp_path),
            "--hbm-bandwidth", "1e11"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [report_path] = tmp_path.glob("gpu_bench-*.json")
     assert (tmp_path / report_path.name.replace(".json", ".md")).exists()

@@ -1,8 +1,7 @@
-"""perf/host_overhead.py at a handful of requests, so the benchmark cannot rot: every mode and phase, JSON."""
+"""perf/bench/host_overhead.py at a handful of requests, so the benchmark cannot rot: every mode and phase, JSON."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,9 +10,9 @@ from engine_helpers import ROOT, TINY
 
 def test_host_overhead_smoke(tmp_path):
     out = tmp_path / "host.json"
-    cmd = [sys.executable, os.path.join(ROOT, "perf", "host_overhead.py"), "--model", TINY, "--running", "2,4",
+    cmd = [sys.executable, "-m", "perf.bench.host_overhead", "--model", TINY, "--running", "2,4",
            "--steps", "3", "--sampled-steps", "2", "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["greedy_ms_per_step"] > 0 and report["sampled_ms_per_step"] > 0 and report["stop_ms_per_step"] > 0

@@ -1,4 +1,4 @@
-"""perf/offline_bench.py on the tiny model, so the issue-2 benchmark cannot rot between real runs."""
+"""perf/bench/offline.py on the tiny model, so the issue-2 benchmark cannot rot between real runs."""
 from __future__ import annotations
 
 import json
@@ -16,10 +16,10 @@ TINY = os.path.join(ROOT, "models", "tiny-llama")
 @pytest.mark.skipif(not os.path.exists(os.path.join(TINY, "config.json")), reason="models/tiny-llama missing")
 def test_offline_bench_runs_both_sides_and_reports(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "perf", "offline_bench.py"), "--model", TINY, "--num-requests", "8",
+    cmd = [sys.executable, "-m", "perf.bench.offline", "--model", TINY, "--num-requests", "8",
            "--batch", "4", "--scale", "0.05", "--json", str(out)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     engine, hf = result["engine"], result["hf_static"]

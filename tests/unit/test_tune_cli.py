@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tune
-import tune_config
-from engine_helpers import MODEL_REPOSITORY, ROOT, TINY
+from engine_helpers import MODEL_REPOSITORY, TINY
 from serving.options import parse_model_parameters
-from tune_cost import FEATURES, CostModel, Fit, fit
+from tuner import cli, config_writer
+from tuner.cost import FEATURES, CostModel, Fit, fit
 
 SUMMARY_KEYS = {"chosen", "sla", "predicted", "measured", "default_measured"}
 
@@ -63,7 +62,7 @@ def test_fit_finds_where_decode_attention_spills_out_of_cache():
 
 
 def test_calibrate_on_the_tiny_model_writes_a_usable_cost_model(tmp_path):
-    done = subprocess.run([sys.executable, str(Path(ROOT) / "perf" / "tune.py"), "calibrate", "--out", str(tmp_path),
+    done = subprocess.run([sys.executable, "-m", "tuner", "calibrate", "--out", str(tmp_path),
                            "--model", TINY, "--threads", "1", "--reps", "1", "--quick", "--retries", "0"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -88,10 +87,10 @@ def repo(tmp_path) -> Path:
 def test_search_writes_a_config_a_summary_and_a_report(tmp_path, repo):
     cost = _cost_json(tmp_path / "cost.json", COEF)
     trace = tmp_path / "trace.jsonl"
-    assert tune.main(["trace", "--mix", "seed", "--rate", "3", "--requests", "120", "--scale", "0.05",
+    assert cli.main(["trace", "--mix", "seed", "--rate", "3", "--requests", "120", "--scale", "0.05",
                       "--model", TINY, "--out", str(trace)]) == 0
     out = tmp_path / "search"
-    assert tune.main(["search", "--cost", str(cost), "--trace", str(trace), "--ttft-p99-ms", "2000",
+    assert cli.main(["search", "--cost", str(cost), "--trace", str(trace), "--ttft-p99-ms", "2000",
                       "--itl-p99-ms", "200", "--name", "slatest", "--out", str(out), "--repo", str(repo),
                       "--workers", "1", "--grid", "max_num_seqs=2,8", "--grid", "max_num_batched_tokens=32,256",
                       "--grid", "fast_lane_share=0.25", "--grid", "block_size=16"]) == 0
@@ -107,7 +106,7 @@ def test_search_writes_a_config_a_summary_and_a_report(tmp_path, repo):
     assert summary["max_rate"]["rate"] >= summary["sla"]["rate"]
     written = (repo / "llm" / "configs" / "slatest.pbtxt").read_text()
     source = (repo / "llm" / "config.pbtxt").read_text()
-    changed = tune_config.differences(source, written)
+    changed = config_writer.differences(source, written)
     assert set(changed) <= set(chosen) - {"threads"}
     assert f"OMP_NUM_THREADS={chosen['threads']}" in written
     assert (out / "report.md").exists() and (out / "pareto.png").exists() and (out / "configs.csv").exists()
@@ -115,10 +114,10 @@ def test_search_writes_a_config_a_summary_and_a_report(tmp_path, repo):
 
 def test_prefix_report_recommends_caching_for_shared_system_prompts(tmp_path):
     trace = tmp_path / "chat.jsonl"
-    assert tune.main(["trace", "--mix", "chat", "--rate", "1", "--requests", "40", "--model", TINY,
+    assert cli.main(["trace", "--mix", "chat", "--rate", "1", "--requests", "40", "--model", TINY,
                       "--out", str(trace)]) == 0
     out = tmp_path / "prefixes"
-    assert tune.main(["prefixes", str(trace), "--out", str(out), "--model", TINY, "--block-sizes", "8,16,64",
+    assert cli.main(["prefixes", str(trace), "--out", str(out), "--model", TINY, "--block-sizes", "8,16,64",
                       "--pools-mib", "0.05,64", "--pool-mib", "64"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
@@ -131,34 +130,43 @@ def test_prefix_report_recommends_caching_for_shared_system_prompts(tmp_path):
 
 def test_config_writer_changes_only_parameter_values():
     source = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-    text = tune_config.render(source, {"max_num_seqs": 12, "block_size": 32, "threads": 1}, "header")
-    assert tune_config.differences(source, text) == {"max_num_seqs": ("64", "12"), "block_size": ("16", "32")}
+    text = config_writer.render(source, {"max_num_seqs": 12, "block_size": 32, "threads": 1}, "header")
+    assert config_writer.differences(source, text) == {"max_num_seqs": ("64", "12"), "block_size": ("16", "32")}
     with pytest.raises(KeyError, match="max_num_sequences"):
-        tune_config.render(source, {"max_num_sequences": 4}, "")
+        config_writer.render(source, {"max_num_sequences": 4}, "")
     with pytest.raises(ValueError, match="outside parameter values"):
-        tune_config.differences(source, text.replace('max_batch_size: 0', 'max_batch_size: 4'))
+        config_writer.differences(source, text.replace('max_batch_size: 0', 'max_batch_size: 4'))
 
 
-@pytest.mark.parametrize("path", tune_config.tuned_configs(MODEL_REPOSITORY), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", config_writer.tuned_configs(MODEL_REPOSITORY), ids=lambda p: p.stem)
 def test_committed_tuned_configs_follow_llm_config(path):
-    """A tuned config must stay llm/config.pbtxt with other parameter values: run `perf/tune.py refresh-configs`
+    """A tuned config must stay llm/config.pbtxt with other parameter values: run `python -m tuner refresh-configs`
     when llm's inputs, outputs or comments change."""
     source = (MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-    tune_config.differences(source, path.read_text())
-    params = tune_config.engine_parameters(path.read_text())
+    config_writer.differences(source, path.read_text())
+    params = config_writer.engine_parameters(path.read_text())
     params["model"] = TINY
     parse_model_parameters(params, MODEL_REPOSITORY)  # every value is a valid engine option
 
 
 def test_refresh_keeps_values_and_header_when_llm_config_changes(repo):
-    path = tune_config.write(repo, "mine", {"max_num_seqs": 12, "threads": 1}, "Tuned by perf/tune.py test\nline 2")
-    assert not tune_config.refresh(repo, path)  # nothing to do
+    path = config_writer.write(repo, "mine", {"max_num_seqs": 12, "threads": 1},
+                               "Tuned by python -m tuner test\nline 2")
+    assert not config_writer.refresh(repo, path)  # nothing to do
     source = repo / "llm" / "config.pbtxt"
     source.write_text(source.read_text().replace("max_batch_size: 0", "# a new comment\nmax_batch_size: 0"))
-    assert tune_config.refresh(repo, path)
+    assert config_writer.refresh(repo, path)
     text = path.read_text()
-    assert tune_config.differences(source.read_text(), text) == {"max_num_seqs": ("64", "12")}
-    assert text.startswith("# Tuned by perf/tune.py test\n# line 2\n") and "# a new comment" in text
+    assert config_writer.differences(source.read_text(), text) == {"max_num_seqs": ("64", "12")}
+    assert text.startswith("# Tuned by python -m tuner test\n# line 2\n") and "# a new comment" in text
+
+
+def test_configs_tuned_before_the_package_are_still_found(repo):
+    """Configs written by the old perf/tune.py carry its name in their header; refresh-configs must still see them."""
+    new = config_writer.write(repo, "new", {"max_num_seqs": 12}, "Tuned by python -m tuner search")
+    old = config_writer.write(repo, "old", {"max_num_seqs": 8}, "Tuned by perf/tune.py search")
+    config_writer.write(repo, "hand", {"max_num_seqs": 4}, "written by hand")
+    assert config_writer.tuned_configs(repo) == [new, old]
 
 
 def test_server_scale_records_the_verified_step_factor_per_thread_count_and_scales_every_step(tmp_path):
@@ -171,7 +179,7 @@ def test_server_scale_records_the_verified_step_factor_per_thread_count_and_scal
             {"verification": {"server_step_scale_used": used, "step_time_ratio": ratios,
                               "threads": {"chosen": 1, "default": 2}}}))
         runs.append(str(tmp_path / name))
-    assert tune.main(["server-scale", "--cost", str(cost_path), *runs]) == 0
+    assert cli.main(["server-scale", "--cost", str(cost_path), *runs]) == 0
     cost = CostModel.load(cost_path)
     # ratios to the engine alone: 1 thread 0.9 and 1.0; 2 threads 1.2 and 1.2 x 1.1
     assert cost.server_scale_for(1) == pytest.approx(0.95, abs=1e-3)

@@ -1,4 +1,4 @@
-"""The tuner's simulator (perf/tune_sim.py) under hand-made cost models: schedules computed by hand, and the
+"""The tuner's simulator (tuner.sim) under hand-made cost models: schedules computed by hand, and the
 same scheduling decisions as the real engine, step by step, on a small trace (admissions, chunks, preemptions,
 prefix hits)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import TINY
-from tune_cost import constant
-from tune_sim import SimRequest, simulate
+from tuner.cost import constant
+from tuner.sim import SimRequest, simulate
 
 KV = 1024  # bytes per token: only sizes the pool when num_kv_blocks is not given
 
@@ -108,7 +108,7 @@ def _engine_decisions(options: dict, reqs: list[SimRequest]) -> list[tuple[list,
     as in the simulator with a cost of 1 s a step: what its scheduler decided at each step."""
     from inflight import EngineConfig, SamplingParams
     from inflight.engine import LLMEngine
-    from tune_sim import engine_config
+    from tuner.sim import engine_config
 
     names = set(EngineConfig.__dataclass_fields__)
     cfg = engine_config({**{k: v for k, v in options.items() if k in names}, "model": TINY})

@@ -1,4 +1,4 @@
-"""The tuner's trace format (perf/tune_trace.py): bad lines refused with their line number, mixes written and
+"""The tuner's trace format (tuner.trace): bad lines refused with their line number, mixes written and
 read back unchanged, synthetic prompts of the asked length that read the same every time."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import statistics
 import pytest
 from transformers import AutoTokenizer
 
-import tune_trace
 from engine_helpers import TINY
+from tuner import trace as traces
 
 GOOD = {"arrival_s": 0.5, "prompt": "Hello there", "output_tokens": 5}
 
@@ -37,8 +37,8 @@ def tok():
 def test_a_bad_line_is_refused_with_its_line_number(tmp_path, line, message):
     path = tmp_path / "trace.jsonl"
     path.write_text(json.dumps(GOOD) + "\n\n" + line + "\n" + json.dumps({**GOOD, "arrival_s": 9}) + "\n")
-    with pytest.raises(tune_trace.TraceError) as err:
-        tune_trace.load(path)
+    with pytest.raises(traces.TraceError) as err:
+        traces.load(path)
     assert str(err.value).startswith(f"{path}:3: "), str(err.value)  # the blank line 2 still counts
     assert message in str(err.value)
 
@@ -46,26 +46,26 @@ def test_a_bad_line_is_refused_with_its_line_number(tmp_path, line, message):
 def test_an_empty_trace_is_refused(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")
-    with pytest.raises(tune_trace.TraceError, match="no requests"):
-        tune_trace.load(path)
+    with pytest.raises(traces.TraceError, match="no requests"):
+        traces.load(path)
 
 
-@pytest.mark.parametrize("mix", sorted(tune_trace.MIXES))
+@pytest.mark.parametrize("mix", sorted(traces.MIXES))
 def test_a_mix_round_trips_and_has_its_rate(tmp_path, tok, mix):
-    reqs = tune_trace.make_mix(mix, rate=4.0, num_requests=200, tokenizer=tok, scale=0.5, seed=3)
+    reqs = traces.make_mix(mix, rate=4.0, num_requests=200, tokenizer=tok, scale=0.5, seed=3)
     path = tmp_path / f"{mix}.jsonl"
-    tune_trace.write(path, reqs)
-    back = tune_trace.load(path)
+    traces.write(path, reqs)
+    back = traces.load(path)
     assert [r.to_json() for r in back] == [r.to_json() for r in reqs]
-    assert 3.0 < tune_trace.offered_rate(back) < 5.3
-    texts = [tune_trace.prompt_text(r, tok) for r in back]
-    assert texts == [tune_trace.prompt_text(r, tok) for r in tune_trace.load(path)]  # synthetic text is stable
+    assert 3.0 < traces.offered_rate(back) < 5.3
+    texts = [traces.prompt_text(r, tok) for r in back]
+    assert texts == [traces.prompt_text(r, tok) for r in traces.load(path)]  # synthetic text is stable
     if mix == "chat":  # three shared system prompts: many prompts start alike
         assert len({t[:200] for t in texts}) == 3
 
 
 def test_the_seed_mix_has_the_four_output_lengths_in_equal_shares(tok):
-    reqs = tune_trace.make_mix("seed", rate=1.0, num_requests=400, tokenizer=tok, scale=1.0)
+    reqs = traces.make_mix("seed", rate=1.0, num_requests=400, tokenizer=tok, scale=1.0)
     counts = {n: sum(r.output_tokens == n for r in reqs) for n in (20, 50, 200, 800)}
     assert counts == {20: 100, 50: 100, 200: 100, 800: 100}
     assert {r.prompt_tokens for r in reqs} == {32}
@@ -73,13 +73,13 @@ def test_the_seed_mix_has_the_four_output_lengths_in_equal_shares(tok):
 
 def test_synthetic_prompts_have_about_the_asked_length(tok):
     for n in (1, 7, 32, 300):
-        ids = tok.encode(tune_trace.synthetic_text(tok, n, seed=n))
+        ids = tok.encode(traces.synthetic_text(tok, n, seed=n))
         assert abs(len(ids) - n) <= 1
 
 
 def test_bursty_arrivals_bunch_more_than_poisson(tok):
     def cv(b):
-        reqs = tune_trace.make_mix("seed", rate=2.0, num_requests=2000, tokenizer=tok, burstiness=b)
+        reqs = traces.make_mix("seed", rate=2.0, num_requests=2000, tokenizer=tok, burstiness=b)
         gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
         return statistics.pstdev(gaps) / statistics.fmean(gaps)
     assert 0.9 < cv(1.0) < 1.1  # Poisson: exponential gaps
@@ -89,9 +89,9 @@ def test_bursty_arrivals_bunch_more_than_poisson(tok):
 def test_a_prompt_log_becomes_a_trace(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps({"prompt": "a", "output_tokens": 3}) + "\n" + json.dumps({"text": "b"}) + "\n")
-    reqs = tune_trace.from_log(log, rate=2.0, output_tokens=9)
+    reqs = traces.from_log(log, rate=2.0, output_tokens=9)
     assert [(r.prompt, r.output_tokens) for r in reqs] == [("a", 3), ("b", 9)]
     plain = tmp_path / "log.txt"
     plain.write_text("first prompt\nsecond prompt\n")
-    assert [r.prompt for r in tune_trace.from_log(plain, rate=1.0, output_tokens=4)] == ["first prompt",
+    assert [r.prompt for r in traces.from_log(plain, rate=1.0, output_tokens=4)] == ["first prompt",
                                                                                         "second prompt"]

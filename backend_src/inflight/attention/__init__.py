@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..env_overrides import ATTENTION_ENV as BACKEND_ENV  # noqa: F401 - the name perf/gpu_bench.py imports
+from ..env_overrides import ATTENTION_ENV as BACKEND_ENV  # noqa: F401 - the name perf/gpu/bench.py imports
 from . import reference as _reference
 from .metadata import AttentionMetadata
 

@@ -2,13 +2,13 @@
 
 Why: MKL's sgemm picks slow code paths on non-Intel CPUs (this project's 2-core AMD EPYC CI machine runs
 the lm_head 2x slower through it), while oneDNN dispatches on the CPU's instruction sets. On the SmolLM2
-shapes oneDNN is as fast or faster from 4 rows up (perf/offline_bench.py has the model-level figures).
+shapes oneDNN is as fast or faster from 4 rows up (perf/bench/offline.py has the model-level figures).
 The engine option cpu_gemm=blas restores torch's default; CUDA tensors never take this path.
 
 Except at a few rows: a decode step of one to three sequences is a matrix-vector product, bound by how fast
 the weights stream from memory, and there BLAS (MKL's sgemv on the dense [out, in] weight) streams at the
 machine's read bandwidth while oneDNN's blocked kernels do not (SmolLM2 at one row, 2 threads, on this
-project's Xeon: all linears 20 ms vs 25 ms; perf/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
+project's Xeon: all linears 20 ms vs 25 ms; perf/probes/gemv_rows.py). From four rows oneDNN's prepacked GEMM is
 faster (26 vs 38 ms at four, 37 vs 48 at sixteen). So float32 layers keep their dense weight beside the packed
 one for up to cpu_gemv_rows rows (0 releases it). On Intel CPUs Linear takes BLAS there (default 3
 rows); on others MKL takes slow code paths (1.5-2.5x oneDNN's time at one to three rows on this project's AMD

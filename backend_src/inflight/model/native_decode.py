@@ -131,7 +131,7 @@ def _linear_rows(lib: ctypes.CDLL, spec: _Model, rows: torch.Tensor, weight: tor
 
 def few_row_product():
     """decode_step.c's own few-row product alone, as (rows [n, in], weight [out, in], bias or None) -> [n, out]
-    at torch's current width: for perf/gemv_rows.py, which compares it with BLAS and oneDNN."""
+    at torch's current width: for perf/probes/gemv_rows.py, which compares it with BLAS and oneDNN."""
     lib, spec = _load(build_library()), _Model(gemm=0)
     return lambda rows, weight, bias=None: _linear_rows(lib, spec, rows, weight, bias)
 

@@ -1,0 +1,4 @@
+"""`python -m tuner SUBCOMMAND ...`: see tuner.cli."""
+from tuner.cli import run
+
+run()
