@@ -76,6 +76,16 @@ class ModelRunner:
         self.model.set_attention_backend(backend)
 
     def _pick_forward(self):
+        if not self.model.uses_fast_paths:
+            # The fused CUDA ops, the compiled CPU layer and the native decode step are written for llama.py's
+            # layer without a window; another family runs its own torch forward (model/<family>.py).
+            cfg = self.model_config
+            log.info("model_type %s (family %s%s): the torch forward; fused_ops, cpu_compile and "
+                     "cpu_native_decode cover the Llama family without a sliding window", cfg.model_type,
+                     cfg.family, ", sliding window %d" % cfg.sliding_window if cfg.sliding_window else "")
+            if self.device.type == "cpu":
+                release_dense_weights(self.model)
+            return self.model
         if self.switches.fused_ops:
             return functools.partial(fused_forward, self.model)
         if self.device.type == "cpu" and self.switches.cpu_compile:

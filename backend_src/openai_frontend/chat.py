@@ -30,8 +30,10 @@ class ChatTemplates:
     def preload(self, path: str) -> None:
         self._tokenizer(path)
 
-    def render(self, model: str, tokenizer_dir: str | None, messages: list[dict[str, str]]) -> str:
-        """Blocking (first call loads the tokenizer): call it from a worker thread."""
+    def render(self, model: str, tokenizer_dir: str | None, messages: list[dict[str, str]],
+               template_kwargs: dict[str, Any] | None = None) -> str:
+        """Blocking (first call loads the tokenizer): call it from a worker thread. template_kwargs: variables the
+        template reads beyond the messages (the request's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if tokenizer_dir is None:
             raise APIError(400, f"model {model!r} has no tokenizer folder known to this server, so its chat "
                                 f"template is unknown: start the frontend with --tokenizer {model}=DIR, or "
@@ -41,6 +43,7 @@ class ChatTemplates:
             raise APIError(400, f"model {model!r} has no chat template: use /v1/completions", param="model",
                            code="no_chat_template")
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **(template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - templates raise their own errors for message orders they refuse
             raise bad_request(f"the chat template of {model!r} refused these messages: {e}", "messages") from e

@@ -29,6 +29,8 @@ class GenerationRequest:
     is_chat: bool
     prompt: str = ""  # completions: the prompt; chat: filled in by rendering `messages`
     messages: list[dict[str, str]] = field(default_factory=list)
+    # chat: extra variables for the model's chat template (vLLM's name), e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
@@ -169,6 +171,15 @@ def parse_chat(body: dict) -> GenerationRequest:
         if role not in _CHAT_ROLES:
             raise bad_request(f"messages[{i}].role={role!r} is not one of {sorted(_CHAT_ROLES)}", "messages")
         req.messages.append({"role": _CHAT_ROLES[role], "content": _message_text(i, msg.get("content"))})
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r:.80} must be an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(set(kwargs or {}) & {"conversation", "messages", "tokenize", "add_generation_prompt"})
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved}: the frontend sets them",
+                          "chat_template_kwargs")
+    req.chat_template_kwargs = dict(kwargs or {})
     for name in ("tools", "functions"):
         _refuse_if_set(body, name, allowed=([],), why="is not supported: tool calling is not available")
     _refuse_if_set(body, "tool_choice", allowed=("none",), why="is not supported: tool calling is not available")
