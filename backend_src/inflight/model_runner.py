@@ -83,7 +83,8 @@ class ModelRunner:
             log.info("model_type %s (family %s%s): the torch forward; fused_ops, cpu_compile and "
                      "cpu_native_decode cover the Llama family without a sliding window", cfg.model_type,
                      cfg.family, ", sliding window %d" % cfg.sliding_window if cfg.sliding_window else "")
-            if self.device.type == "cpu":
+            if not native_decode.native_few_row_linears(self.model, self.device, self.dtype, self.switches) \
+                    and self.device.type == "cpu":
                 release_dense_weights(self.model)
             return self.model
         if self.switches.fused_ops:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from engine_helpers import TINY_GEMMA3, TINY_QWEN3, assert_pool_whole, gemma3_270m, hf_greedy, hf_model
 from inflight import LLM, SamplingParams
 from inflight.model import ModelConfig, UnsupportedModelError
+from inflight.model.linear import Linear
 from inflight.sequence import Sequence
 
 TEXT = ("The history of the city begins with a small fishing village on the river. Over the centuries it grew "
@@ -94,6 +95,12 @@ def test_other_families_take_the_torch_forward_and_say_so(model_path, caplog):
         llm = LLM(model_path, num_kv_blocks=16)
     assert llm.engine.runner.forward is llm.engine.runner.model, "a Llama-only fast path was chosen"
     assert any("the torch forward" in r.getMessage() for r in caplog.records)
+    # Its few-row linears still stream their weights fast: BLAS on Intel, the native product elsewhere.
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    if llm.engine.runner.switches.few_row_blas:
+        assert all(m.gemv_rows and m.few_row_product is None for m in linears)
+    else:
+        assert all(m.gemv_rows and m.few_row_product is not None for m in linears)
 
 
 def test_window_and_rope_of_each_gemma_layer():

@@ -30,7 +30,7 @@ import torch
 from ..attention import AttentionMetadata
 from ..cpu_defaults import ResolvedSwitches
 from ..env_overrides import native_cache_dir
-from .linear import host_defaults
+from .linear import Linear, host_defaults
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,35 @@ class NativeDecodeForward:
 def _linears(model: LlamaForCausalLM):
     for layer in model.layers:
         yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def native_few_row_linears(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                           switches: ResolvedSwitches | None = None) -> bool:
+    """For a model whose layers the whole native step does not cover (another family, a sliding window): its
+    linears at up to cpu_gemv_rows rows through decode_step.c's own product on their dense weights, where Linear
+    does not take BLAS there (not Intel). The lm_head is most of a small model's bytes (Gemma 3 270M: 671 of
+    1,070 MB), and oneDNN streams it at ~18 GB/s where the product reaches ~25. Returns whether it did."""
+    switches = switches or host_defaults()
+    rows = switches.cpu_gemv_rows
+    if device.type != "cpu" or dtype != torch.float32 or not switches.cpu_native_decode or switches.few_row_blas \
+            or not rows or sys.platform != "linux":
+        return False
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None
+               and m.weight.numel() and m.weight.is_contiguous() and m.weight.dtype == torch.float32]
+    if not linears:
+        return False
+    try:
+        lib = _load(build_library())
+    except (RuntimeError, OSError) as exc:
+        log.warning("native few-row product unavailable (%s): linears stay in torch", exc)
+        return False
+    spec = _Model(gemm=0)
+    for linear in linears:
+        linear.gemv_rows = rows
+        linear.few_row_product = lambda x, weight, bias: _linear_rows(lib, spec, x, weight, bias)
+    log.info("native few-row product: %d linears up to %d rows (the rest of the forward in torch)", len(linears),
+             rows)
+    return True
 
 
 def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
