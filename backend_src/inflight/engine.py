@@ -9,7 +9,6 @@ import time
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -22,6 +21,7 @@ from .prompt import PromptEncoder
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
+from .tokenizer import load_tokenizer
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         # Two tokenizer objects: encoding runs in request threads, decoding in the engine thread,
         # and a Rust tokenizer object must not be used from two threads at once.
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self._decode_tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self._decode_tokenizer = load_tokenizer(config.model)
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)

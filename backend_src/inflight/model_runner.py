@@ -18,6 +18,7 @@ from .model import ModelConfig, load_model
 from .model import cpu_forward, native_decode
 from .model.fused_forward import fused_forward
 from .model.linear import release_dense_weights
+from .model.quant import attach_quant_product, quantized_bytes
 from .sequence import Sequence
 from .step_timer import NULL_TIMER
 
@@ -38,7 +39,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = ModelConfig.from_path(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
         # Every "auto" switch resolved here, once, for this CPU and device; passed down from here on.
@@ -55,7 +56,7 @@ class ModelRunner:
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
-            self.model = load_model(config.model, self.dtype, self.device, self.switches)
+            self.model = load_model(config.model, self.dtype, self.device, self.switches, config.quantization)
             self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
             self.num_blocks = config.num_kv_blocks or (
@@ -76,6 +77,8 @@ class ModelRunner:
         self.model.set_attention_backend(backend)
 
     def _pick_forward(self):
+        if self.model.is_quantized:
+            return self._quantized_forward()
         if not self.model.uses_fast_paths:
             # The fused CUDA ops, the compiled CPU layer and the native decode step are written for llama.py's
             # layer without a window; another family runs its own torch forward (model/<family>.py).
@@ -95,6 +98,21 @@ class ModelRunner:
         if forward is None and self.device.type == "cpu":
             release_dense_weights(self.model)  # kept for the native step, where Linear does not take BLAS (AMD)
         return forward or self.model
+
+    def _quantized_forward(self):
+        """A quantized model: its linears through the native product up to QUANT_ROWS rows, and decode-only steps
+        through the whole native step where the family is Llama's; the torch forward otherwise."""
+        if not attach_quant_product(self.model):
+            log.warning("quantized linears: the native product did not build, so every call dequantizes its "
+                        "weight (slow); install a C compiler (cc)")
+            return self.model
+        log.info("quantized model (%s): %.0f MB of quantized weights", self.config.quantization,
+                 quantized_bytes(self.model) / 2**20)
+        if self.model.uses_fast_paths and self.switches.cpu_native_decode:
+            forward = native_decode.native_forward(self.model, self.device, self.dtype, self.switches)
+            if forward is not None:
+                return forward
+        return self.model
 
     def enable_static_decode(self, capture: bool) -> None:
         """Route all-one-token steps through padded static buffers (cuda_graphs.py); capture=True (CUDA)

@@ -71,6 +71,14 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
+    def from_path(cls, path: str) -> "ModelConfig":
+        """From a Hugging Face folder, or a GGUF file's metadata (model/gguf_loader.py)."""
+        if str(path).endswith(".gguf"):
+            from .gguf_loader import config_from_gguf
+            return config_from_gguf(path)
+        return cls.from_dir(path)
+
+    @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):

@@ -75,7 +75,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.dtype
         # HF multiplies by the scale as a tensor of the weights' dtype: the same rounding here.
         x = self.embed_tokens(input_ids) * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=dtype)
         rope = {False: cos_sin(self.inv_freq, positions, dtype), True: cos_sin(self.local_inv_freq, positions, dtype)}

@@ -148,12 +148,21 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights stay in it; a quantized embedding has none of its own)."""
+        return self.norm.weight.dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return getattr(self.lm_head, "quant", None) is not None
+
+    @property
     def uses_fast_paths(self) -> bool:
         """Whether the fast paths written for llama.py's layer apply (see has_llama_layers): no window either."""
         return self.has_llama_layers and not self.cfg.has_sliding_layers
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos_sin(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        return cos_sin(self.inv_freq, positions, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

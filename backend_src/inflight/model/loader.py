@@ -9,8 +9,10 @@ from safetensors import safe_open
 
 from .config import ModelConfig, UnsupportedModelError
 from .families import model_class
+from .gguf_loader import config_from_gguf, is_gguf, load_gguf
 from .linear import select_cpu_gemm
 from .llama import LlamaForCausalLM
+from .quant import quantize_model
 
 # Checkpoint projections that our module holds fused: (ours, [theirs in concatenation order]).
 _FUSED = [
@@ -36,9 +38,12 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device, switches=None) -> LlamaForCausalLM:
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device, switches=None,
+               quantization: str = "none") -> LlamaForCausalLM:
     """switches: the engine's resolved switches (cpu_defaults.py) for the CPU linears; None: this host's
-    defaults."""
+    defaults. quantization: none, int8 or int4 (weight-only, CPU: model/quant.py)."""
+    if is_gguf(path):
+        return _load_gguf(path, dtype, device, switches, quantization)
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -73,5 +78,21 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device, switch
         model.lm_head.weight = model.embed_tokens.weight
     model.init_rope()  # buffers are not in the checkpoint; meta init left them empty
     model = model.to(device).eval()
+    if quantization != "none":
+        quantize_model(model, quantization)
+    select_cpu_gemm(model, torch.device(device), dtype, switches)
+    return model
+
+
+def _load_gguf(path: str, dtype: torch.dtype, device, switches, quantization: str) -> LlamaForCausalLM:
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        raise UnsupportedModelError(f"a GGUF model ({path}) is served on CPU in float32: allowed dtype float32 or "
+                                    f"auto with device cpu")
+    cfg = config_from_gguf(path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    load_gguf(path, model, quantization)
+    model.init_rope()
+    model = model.eval()
     select_cpu_gemm(model, torch.device(device), dtype, switches)
     return model
