@@ -2,8 +2,8 @@
 with a scale and a min, GGUF's Q4_0 / Q4_1 layout); activations stay float32.
 
 A QuantizedWeight holds the integers and scales as torch tensors. Linear (model/linear.py) multiplies by it at a
-few rows through the native product (native/quant_rows.c: each weight dequantized in registers, 1/4 or ~1/7 of
-float32's bytes streamed), and at more rows by dequantizing into a float32 matrix for oneDNN/BLAS, where the step
+few rows through the native product (native/quant_rows.c: each weight widened to float32 in registers, 1/4 or
+~1/7 of float32's bytes streamed), and at more rows by dequantizing chunks into float32 for oneDNN, where the step
 is bound by arithmetic rather than by bytes. `quantize_int8` / `quantize_int4` make one from a float weight at
 load (model parameter `quantization`); `from_gguf_blocks` repacks GGUF's Q8_0 / Q4_0 / Q4_1 blocks as they are
 (model/gguf_loader.py), so no float32 copy of the model is ever made.
@@ -23,9 +23,10 @@ _KINDS = {INT8: 1, INT4: 2}  # native.h: Q_INT8, Q_INT4
 
 @dataclass
 class QuantizedWeight:
-    """w[o, i] = q[o, i] * scale[o, i // group] (+ min[o, i // 32] for 4-bit), in float32.
+    """w[o, i] = q[o, i] * scale[o, i // group] (+ min[o, i // 32] for 4-bit), in float32 (the native product
+    applies the scales per group: native/quant_rows.c).
 
-    int8: q int8 [out, in]; group = in (per output channel) or a multiple of 16. 4-bit: q uint8 [out, in // 2] in
+    int8: q int8 [out, in]; group = in (per output channel) or a multiple of 32. 4-bit: q uint8 [out, in // 2] in
     GGUF's order (byte j of a 32-input block: input j in the low nibble, input j + 16 in the high one); scale and
     min [out, in // 32]; Q4_0's w = d (q - 8) is stored as min = -8 d."""
     kind: str
@@ -40,8 +41,9 @@ class QuantizedWeight:
         self.min = None if self.min is None else self.min.float().contiguous()
         self.q = self.q.contiguous()
         out = self.q.shape[0]
-        if self.kind == INT8 and (self.group != self.in_features and self.group % 16):
-            raise ValueError(f"int8 group={self.group} must be the row ({self.in_features}) or a multiple of 16")
+        if self.kind == INT8 and self.group != self.in_features and (self.group % 32 or self.in_features % self.group):
+            raise ValueError(f"int8 group={self.group} must be the row ({self.in_features}) or a multiple of 32 "
+                             f"that divides it")
         if self.kind == INT4 and (self.in_features % BLOCK or self.group != BLOCK or self.min is None):
             raise ValueError(f"4-bit weights need blocks of {BLOCK} inputs with a min: in={self.in_features}")
         if self.scale.shape != (out, -(-self.in_features // self.group)):

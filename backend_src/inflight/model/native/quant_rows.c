@@ -1,16 +1,26 @@
-/* The few-row product over weight-only quantized weights (int8 per channel or per 32, GGUF's Q8_0, Q4_0, Q4_1).
+/* The few-row product over weight-only quantized weights (int8 per channel or per 32 as GGUF's Q8_0; Q4_0 / Q4_1).
  *
  * Why: a decode step at a few rows is bound by how fast the weights stream from memory; int8 weights are a
- * quarter of float32's bytes and 4-bit ones an eighth (plus a scale per 32). Each weight is dequantized in
- * registers (w = q * scale (+ min), float32, rounded as that expression is), then multiplied with up to four
- * input rows exactly as decode_step.c's float product does: the same lanes, the same order of additions. So a
- * row's result is bit for bit the float product's over the dequantized weight, whatever the rows beside it.
+ * quarter of float32's bytes and 4-bit ones about a seventh. Each 32 weights are widened to float32 in registers
+ * (and scaled: q * s, or q * d + m for 4-bit; a per-row int8 scale is applied once to the row's sum instead),
+ * then multiplied with up to four input rows by fused multiply-adds in four chains per row. Every row sums in
+ * the same chains and order whatever rows share its step, so a request's logits do not depend on its batch.
+ *
+ * This file alone is compiled with FMA contraction (the pragma below): the decode step's elementwise math
+ * (decode_step.c) stays uncontracted, to round as torch does.
  */
-#include <math.h>
+#pragma GCC optimize("fp-contract=fast")
 #include <omp.h>
 #include <string.h>
 
 #include "native.h"
+
+/* x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) clones, and a portable one; the loader picks per CPU. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QUANT_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QUANT_ISA
+#endif
 
 typedef int32_t v8si __attribute__((vector_size(32)));
 
@@ -26,91 +36,111 @@ static inline v8si bytes(const uint8_t *p) { return (v8si){p[0], p[1], p[2], p[3
 
 static inline v8 to_float(v8si i) { return __builtin_convertvector(i, v8); }
 
-/* One 16-input step of R rows: lo/hi accumulate lanes 0-7 and 8-15, as rows_dot() in decode_step.c. */
-#define ROWS_STEP(R, wl, wh, x, in, i)                                                   \
-    for (int r = 0; r < (R); r++) {                                                      \
-        lo[r] += (wl) * *(const v8u *)((x) + (int64_t)r * (in) + (i));                   \
-        hi[r] += (wh) * *(const v8u *)((x) + (int64_t)r * (in) + (i) + 8);               \
-    }
+static inline v8 load(const float *p) { return *(const v8u *)p; }
 
-/* Each row's lanes reduced as the float product reduces them, then its tail inputs added in order. */
-#define ROWS_FINISH(R, tail_weight, x, in, i, y, out)                                    \
-    for (int r = 0; r < (R); r++) {                                                      \
-        float lanes[16];                                                                 \
-        memcpy(lanes, &lo[r], sizeof(v8));                                               \
-        memcpy(lanes + 8, &hi[r], sizeof(v8));                                           \
-        float sum = reduce16(lanes);                                                     \
-        for (int j = (i); j < (in); j++) sum += (tail_weight) * (x)[(int64_t)r * (in) + j]; \
-        (y)[(int64_t)r * (out)] += sum;                                                  \
-    }
+typedef float v4 __attribute__((vector_size(16)));
 
-/* int8: scale per `group` inputs (group a multiple of 16, or the whole row). */
-static inline __attribute__((always_inline)) void rows_dot_q8(const int R, const float *x, int in, const int8_t *q,
-                                                              const float *scale, int group, float *y, int out) {
-    v8 lo[4] = {{0}}, hi[4] = {{0}};
-    int i = 0;
-    /* Group by group, so the scale is read once per group (a division per chunk for its index cost more than
-     * the chunk's arithmetic); chunks never straddle groups, only the row's tail may be short. */
-    for (int g0 = 0, g = 0; g0 < in; g0 += group, g++) {
-        const int g1 = g0 + group < in ? g0 + group : in;
-        const float s = scale[g];
-        for (; i + 16 <= g1; i += 16) {
-            __builtin_prefetch(q + i + 1024, 0, 0);
-            const v8 wl = int8_to_float(q + i) * s, wh = int8_to_float(q + i + 8) * s;
-            ROWS_STEP(R, wl, wh, x, in, i)
-        }
-    }
-    ROWS_FINISH(R, (float)q[j] * scale[j / group], x, in, i, y, out)
+/* A row's four chains of 8 lanes summed, in registers (the same order for every row). */
+static inline float chains_sum(v8 c0, v8 c1, v8 c2, v8 c3) {
+    const v8 t = (c0 + c1) + (c2 + c3);
+    v4 h = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
+    h += __builtin_shufflevector(h, h, 2, 3, 0, 1);
+    h += __builtin_shufflevector(h, h, 1, 0, 3, 2);
+    return h[0];
 }
 
-/* 4-bit, blocks of 32 (in a multiple of 32): w = d q + m, d and m per block. */
-static inline __attribute__((always_inline)) void rows_dot_q4(const int R, const float *x, int in, const uint8_t *q,
-                                                              const float *d, const float *mn, float *y, int out) {
-    v8 lo[4] = {{0}}, hi[4] = {{0}};
+/* One 32-input step of R rows over four weight vectors (inputs i .. i + 31, 8 each): row r's chain k takes the
+ * k-th 8. Four chains per row keep the FMAs' latency hidden at one row; R rows share each weight vector. */
+#define FMA_STEP(R, w0, w1, w2, w3, x, in, i)                                 \
+    for (int r = 0; r < (R); r++) {                                           \
+        const float *xr_ = (x) + (int64_t)r * (in) + (i);                     \
+        c0[r] += (w0) * load(xr_);                                            \
+        c1[r] += (w1) * load(xr_ + 8);                                        \
+        c2[r] += (w2) * load(xr_ + 16);                                       \
+        c3[r] += (w3) * load(xr_ + 24);                                       \
+    }
+
+/* int8 with one scale per row (group = in): y = scale * sum(q x); inputs past the last 32 added one by one. */
+static inline __attribute__((always_inline)) void rows_q8_channel(const int R, const float *x, int in,
+                                                                  const int8_t *q, float scale, float *y,
+                                                                  int out) {
+    v8 c0[4] = {{0}}, c1[4] = {{0}}, c2[4] = {{0}}, c3[4] = {{0}};
+    int i = 0;
+    for (; i + 32 <= in; i += 32) {
+        __builtin_prefetch(q + i + 1024, 0, 0);
+        const v8 w0 = int8_to_float(q + i), w1 = int8_to_float(q + i + 8);
+        const v8 w2 = int8_to_float(q + i + 16), w3 = int8_to_float(q + i + 24);
+        FMA_STEP(R, w0, w1, w2, w3, x, in, i)
+    }
+    for (int r = 0; r < R; r++) {
+        float s = chains_sum(c0[r], c1[r], c2[r], c3[r]);
+        for (int j = i; j < in; j++) s += (float)q[j] * x[(int64_t)r * in + j];
+        y[(int64_t)r * out] += scale * s;
+    }
+}
+
+/* int8 with a scale per `group` inputs (a multiple of 32 dividing the row; GGUF's Q8_0: 32): each weight
+ * dequantized in registers (q * scale, shared by the R rows), then multiplied. */
+static inline __attribute__((always_inline)) void rows_q8_group(const int R, const float *x, int in,
+                                                                const int8_t *q, const float *scale, int group,
+                                                                float *y, int out) {
+    v8 c0[4] = {{0}}, c1[4] = {{0}}, c2[4] = {{0}}, c3[4] = {{0}};
+    for (int g0 = 0, g = 0; g0 < in; g0 += group, g++) { /* group by group: no division per step */
+        const float s = scale[g];
+        for (int i = g0; i < g0 + group; i += 32) {
+            __builtin_prefetch(q + i + 1024, 0, 0);
+            const v8 w0 = int8_to_float(q + i) * s, w1 = int8_to_float(q + i + 8) * s;
+            const v8 w2 = int8_to_float(q + i + 16) * s, w3 = int8_to_float(q + i + 24) * s;
+            FMA_STEP(R, w0, w1, w2, w3, x, in, i)
+        }
+    }
+    for (int r = 0; r < R; r++) y[(int64_t)r * out] += chains_sum(c0[r], c1[r], c2[r], c3[r]);
+}
+
+/* 4-bit blocks of 32: each weight dequantized in registers (q * d + m, shared by the R rows), then multiplied. */
+static inline __attribute__((always_inline)) void rows_q4(const int R, const float *x, int in, const uint8_t *q,
+                                                          const float *d, const float *mn, float *y, int out) {
+    v8 c0[4] = {{0}}, c1[4] = {{0}}, c2[4] = {{0}}, c3[4] = {{0}};
     for (int b = 0; b < in / 32; b++) {
         const uint8_t *block = q + (int64_t)b * 16;
         __builtin_prefetch(block + 1024, 0, 0);
         const v8si first = bytes(block), second = bytes(block + 8);
         const float s = d[b], m = mn[b];
-        const int i = b * 32;
-        /* inputs i .. i + 15: the low nibbles of bytes 0-7, then of bytes 8-15 */
+        /* inputs 0-15 of the block: the low nibbles of bytes 0-7, then of 8-15; inputs 16-31: the high ones */
         const v8 w0 = to_float(first & 15) * s + m, w1 = to_float(second & 15) * s + m;
-        ROWS_STEP(R, w0, w1, x, in, i)
-        /* inputs i + 16 .. i + 31: the high nibbles */
         const v8 w2 = to_float(first >> 4) * s + m, w3 = to_float(second >> 4) * s + m;
-        ROWS_STEP(R, w2, w3, x, in, i + 16)
+        FMA_STEP(R, w0, w1, w2, w3, x, in, b * 32)
     }
-    ROWS_FINISH(R, 0.0f, x, in, in, y, out)
+    for (int r = 0; r < R; r++) y[(int64_t)r * out] += chains_sum(c0[r], c1[r], c2[r], c3[r]);
 }
 
-PER_ISA static void q_rows_range(int n, const float *x, int in, const QWeight *w, int o0, int o1, int out,
-                                 float *y) {
+/* Output rows o0 .. o1 - 1 for n input rows, four at a time (each weight row read once per four). */
+QUANT_ISA static void q_rows_range(int n, const float *x, int in, const QWeight *w, int o0, int o1, int out,
+                                   float *y) {
     const int64_t q_row = w->kind == Q_INT4 ? in / 2 : in; /* bytes per output row */
     const int per_row = w->kind == Q_INT4 ? in / 32 : (in + w->group - 1) / w->group; /* scales per row */
     for (int o = o0; o < o1; o++) {
         const float *scale = w->scale + (int64_t)o * per_row;
-        float *yo = y + o;
         for (int r = 0; r < n;) {
             const int R = n - r >= 4 ? 4 : n - r;
             const float *xr = x + (int64_t)r * in;
-            float *yr = yo + (int64_t)r * out;
+            float *yr = y + (int64_t)r * out + o;
+#define DISPATCH(CALL) \
+    switch (R) {       \
+        case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break; }
             if (w->kind == Q_INT4) {
                 const uint8_t *q = (const uint8_t *)w->q + o * q_row;
                 const float *mn = w->min + (int64_t)o * per_row;
-                switch (R) {
-                    case 4: rows_dot_q4(4, xr, in, q, scale, mn, yr, out); break;
-                    case 3: rows_dot_q4(3, xr, in, q, scale, mn, yr, out); break;
-                    case 2: rows_dot_q4(2, xr, in, q, scale, mn, yr, out); break;
-                    default: rows_dot_q4(1, xr, in, q, scale, mn, yr, out); break;
-                }
+#define Q4(K) rows_q4(K, xr, in, q, scale, mn, yr, out)
+                DISPATCH(Q4)
+            } else if (w->group >= in) {
+                const int8_t *q = (const int8_t *)w->q + o * q_row;
+#define Q8C(K) rows_q8_channel(K, xr, in, q, scale[0], yr, out)
+                DISPATCH(Q8C)
             } else {
                 const int8_t *q = (const int8_t *)w->q + o * q_row;
-                switch (R) {
-                    case 4: rows_dot_q8(4, xr, in, q, scale, w->group, yr, out); break;
-                    case 3: rows_dot_q8(3, xr, in, q, scale, w->group, yr, out); break;
-                    case 2: rows_dot_q8(2, xr, in, q, scale, w->group, yr, out); break;
-                    default: rows_dot_q8(1, xr, in, q, scale, w->group, yr, out); break;
-                }
+#define Q8G(K) rows_q8_group(K, xr, in, q, scale, w->group, yr, out)
+                DISPATCH(Q8G)
             }
             r += R;
         }
@@ -118,7 +148,7 @@ PER_ISA static void q_rows_range(int n, const float *x, int in, const QWeight *w
 }
 
 /* Rows are taken in blocks of ROW_BLOCK so that a block's inputs stay in cache while the team streams the
- * weights past them (at a prefill's hundreds of rows they would not); each block is one pass over the weights. */
+ * weights past them; each block is one pass over the weights. */
 enum { ROW_BLOCK = 32 };
 
 void q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *w, const float *bias, int out,
@@ -140,29 +170,29 @@ void q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight 
     }
 }
 
-/* dst[o - o0][in] = the float32 weights of rows o0 .. o1 - 1, rounded as the product rounds them: for steps of
- * many rows, whose arithmetic oneDNN or BLAS does better on float weights than the product above. */
+/* dst[o - o0][in] = the float32 weights of rows o0 .. o1 - 1 (q * scale (+ min)): for steps of many rows, whose
+ * arithmetic oneDNN or BLAS does better on float weights than the product above. */
 void q_dequantize_rows(const Model *m, const QWeight *w, int in, int o0, int o1, float *dst) {
     const int64_t q_row = w->kind == Q_INT4 ? in / 2 : in;
     const int per_row = w->kind == Q_INT4 ? in / 32 : (in + w->group - 1) / w->group;
 #pragma omp parallel for num_threads(m->threads) schedule(static)
     for (int o = o0; o < o1; o++) {
         const float *scale = w->scale + (int64_t)o * per_row;
-        float *out = dst + (int64_t)(o - o0) * in;
+        float *row = dst + (int64_t)(o - o0) * in;
         if (w->kind == Q_INT4) {
             const uint8_t *q = (const uint8_t *)w->q + o * q_row;
             const float *mn = w->min + (int64_t)o * per_row;
             for (int b = 0; b < in / 32; b++)
                 for (int j = 0; j < 16; j++) {
                     const uint8_t byte = q[b * 16 + j];
-                    out[b * 32 + j] = (float)(byte & 15) * scale[b] + mn[b];
-                    out[b * 32 + j + 16] = (float)(byte >> 4) * scale[b] + mn[b];
+                    row[b * 32 + j] = (float)(byte & 15) * scale[b] + mn[b];
+                    row[b * 32 + j + 16] = (float)(byte >> 4) * scale[b] + mn[b];
                 }
         } else {
             const int8_t *q = (const int8_t *)w->q + o * q_row;
             for (int g0 = 0, g = 0; g0 < in; g0 += w->group, g++) {
                 const int g1 = g0 + w->group < in ? g0 + w->group : in;
-                for (int i = g0; i < g1; i++) out[i] = (float)q[i] * scale[g];
+                for (int i = g0; i < g1; i++) row[i] = (float)q[i] * scale[g];
             }
         }
     }
