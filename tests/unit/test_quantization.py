@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine_helpers import ROOT, SMOLLM2, TINY, assert_pool_whole
+from engine_helpers import ROOT, SMOLLM2, TINY, TINY_GEMMA3, assert_pool_whole
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
 from inflight.model.linear import _dense_gemm
@@ -123,10 +123,11 @@ def test_the_wheels_q4_1_gguf_serves_exactly_what_the_float32_folder_does():
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_at_load_serves_every_step_shape(quantization):
-    """Prefill chunks, few-row and many-row decode steps of a model quantized at load: greedy equals the same
-    engine's with the dequantized weights in float32 (within the order of summation: same tokens here)."""
-    llm = LLM(TINY, quantization=quantization, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=24)
+@pytest.mark.parametrize("model", [TINY, TINY_GEMMA3], ids=["llama", "gemma3"])
+def test_quantized_at_load_serves_every_step_shape(quantization, model):
+    """Prefill chunks, few-row and many-row decode steps of a model quantized at load (the Llama family through
+    the whole native step, Gemma 3 through its torch forward): every request finishes, the pool is whole."""
+    llm = LLM(model, quantization=quantization, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=24)
     model = llm.engine.runner.model
     assert all(m.quant is not None for m in model.modules() if hasattr(m, "quant_rows"))
     ids = llm.tokenizer.encode(open(os.path.join(ROOT, "docs", "engine.md")).read())
