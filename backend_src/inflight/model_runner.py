@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -25,6 +26,15 @@ from .step_timer import NULL_TIMER
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps heap memory freed at load (the checkpoint's tensors, float32 weights a quantized load dropped)
+    for reuse; trimming gives it back, so the process's RSS says what the model holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -57,6 +67,7 @@ class ModelRunner:
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
             self.model = load_model(config.model, self.dtype, self.device, self.switches, config.quantization)
+            _return_freed_memory()
             self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
             self.num_blocks = config.num_kv_blocks or (
@@ -100,8 +111,8 @@ class ModelRunner:
         return forward or self.model
 
     def _quantized_forward(self):
-        """A quantized model: its linears through the native product up to QUANT_ROWS rows, and decode-only steps
-        through the whole native step where the family is Llama's; the torch forward otherwise."""
+        """A quantized model: its linears through the native product, and decode-only steps through the whole
+        native step where the family is Llama's; the torch forward otherwise."""
         if not attach_quant_product(self.model):
             log.warning("quantized linears: the native product did not build, so every call dequantizes its "
                         "weight (slow); install a C compiler (cc)")

@@ -1,12 +1,12 @@
-"""Probe: up to how many rows does the native quantized product beat dequantizing for oneDNN/BLAS? (QUANT_ROWS)
+"""Probe: is the native quantized product faster than float32 at every row count? (why it serves all steps)
 
-Milliseconds for all of SmolLM2's linears and its lm_head at a few row counts: int8 (per channel) and int4 (Q4_1
-blocks) through quant_rows.c's product, the same weights dequantized per call and multiplied by torch, and the
-float32 weights through oneDNN (prepacked) and decode_step.c's float product, for scale. Random weights of the
-model's shapes, every layer its own (so they stream from memory as in a real step); median of --repeats passes.
+Milliseconds for all of SmolLM2's linears and its lm_head at a few row counts: int8 (per channel), GGUF's Q8_0
+(int8 per 32) and int4 (Q4_1 blocks) through quant_rows.c's tiled product, against the float32 weights through
+oneDNN (prepacked) and decode_step.c's float product. Random weights of the model's shapes, every layer its own
+(so they stream from memory as in a real step); median of --repeats passes.
 
     .venv/bin/python -m perf.probes.quant_rows
-    .venv/bin/python -m perf.probes.quant_rows --rows 1,4,16,32 --json perf/results/quantization/quant-rows.json
+    .venv/bin/python -m perf.probes.quant_rows --rows 1,4,16,64,256 --json perf/results/quantization/quant-rows.json
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import inflight  # noqa: F401, I001 - first: it sets OMP_WAIT_POLICY before torc
 import torch
 
 from inflight.model import ModelConfig
-from inflight.model.linear import _ONEDNN, PACK_ROWS_HINT, _dense_gemm
+from inflight.model.linear import _ONEDNN, PACK_ROWS_HINT
 from inflight.model.native_decode import few_row_product, quant_product
-from inflight.model.quant import many_rows_product, quantize_int4, quantize_int8
+from inflight.model.quant import quantize_int4, quantize_int8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,6 +57,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes(ModelConfig.from_path(args.model))]
     int8 = [quantize_int8(w) for w in weights]
+    q8_0 = [quantize_int8(w, 32) for w in weights]
     int4 = [quantize_int4(w) for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights] if _ONEDNN else []
     qprod, fprod = quant_product(), few_row_product()
@@ -68,8 +69,7 @@ def main() -> None:
         row = {"rows": n,
                "int8_native_ms": run(lambda x, q: qprod(x, q, None), int8),
                "int4_native_ms": run(lambda x, q: qprod(x, q, None), int4),
-               "int8_dequant_ms": run(lambda x, q: many_rows_product(x, q, None, qprod, _dense_gemm), int8),
-               "int4_dequant_ms": run(lambda x, q: many_rows_product(x, q, None, qprod, _dense_gemm), int4),
+               "q8_0_native_ms": run(lambda x, q: qprod(x, q, None), q8_0),
                "float32_native_ms": run(lambda x, w: fprod(x, w), weights)}
         if packed:
             row["float32_onednn_ms"] = run(lambda x, p: _ONEDNN(x, p, None, "none", [], ""), packed)

@@ -12,10 +12,9 @@ import torch
 from engine_helpers import ROOT, SMOLLM2, TINY, TINY_GEMMA3, assert_pool_whole
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
-from inflight.model.linear import _dense_gemm
 from inflight.model.native_decode import quant_product
-from inflight.model.quant import (BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, many_rows_product,
-                                  quantize_int4, quantize_int8, quantized_bytes)
+from inflight.model.quant import (BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, quantize_int4, quantize_int8,
+                                  quantized_bytes)
 
 SMOL_Q4_1 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -35,7 +34,7 @@ def test_quantization_error_is_within_half_a_step(make):
     w = _weight(64, 256)
     q = make(w)
     err = (q.dequantize() - w).abs()
-    steps = q.scale.repeat_interleave(q.group, dim=1)[:, :256]
+    steps = q.plain()[1].repeat_interleave(q.group, dim=1)[:, :256]
     assert bool((err <= steps / 2 + 1e-6).all()), "a weight rounded to a farther step than the nearest"
 
 
@@ -64,17 +63,18 @@ def test_a_rows_result_does_not_depend_on_its_batch(product, make):
         torch.testing.assert_close(product(x[r:r + 1], q, None)[0], together[r], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("make", [quantize_int8, quantize_int4], ids=["int8", "int4"])
-def test_many_rows_dequantize_in_chunks(product, make, monkeypatch):
-    """Above QUANT_ROWS rows the weight is dequantized chunk by chunk for oneDNN/BLAS: chunk boundaries inside
-    the matrix change nothing."""
-    import inflight.model.quant as quant
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4],
+                         ids=["int8-channel", "int8-32", "int4"])
+def test_tiles_round_trip_and_many_rows(product, make):
+    """The tiled layout gives the plain one back; 40 rows (several row blocks of 6 / 3) and 300 outputs (a last
+    tile of 12) multiply right."""
     w, x = _weight(300, 128), torch.randn(40, 128)
     q = make(w)
-    want = x @ q.dequantize().T
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK_FLOATS", 128 * 7)  # chunks of 7 rows: 43 of them, the last short
-    got = many_rows_product(x, q, None, product, _dense_gemm)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    rebuilt = QuantizedWeight(q.kind, *q.plain(), q.group, q.in_features)
+    torch.testing.assert_close(rebuilt.dequantize(), q.dequantize(), atol=0, rtol=0)
+    torch.testing.assert_close(q.dequantize(torch.tensor([299, 0, 17])), q.dequantize()[[299, 0, 17]], atol=0, rtol=0)
+    exact = (x.double() @ q.dequantize().double().T).float()
+    torch.testing.assert_close(product(x, q, None), exact, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])

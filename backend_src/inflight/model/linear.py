@@ -114,14 +114,6 @@ def _(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-def _dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x . weight^T (+ bias) for a weight used once (a dequantized chunk): oneDNN without prepacking where
-    torch has it, else torch's linear."""
-    if _ONEDNN is not None:
-        return _ONEDNN(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 class DirectCall(nn.Module):
     """A module whose call goes straight to forward, past nn.Module's hook dispatch: a step makes ~270 module
     calls (121 of them Linear), and the dispatch was 0.7 ms of a 30 ms one-row CPU step. Nothing registers
@@ -143,10 +135,9 @@ class Linear(DirectCall, nn.Linear):
         # Or, where set, this (rows [n, in], weight, bias) -> [n, out] instead of BLAS there: the native decode
         # step's own product, for the lm_head on CPUs where MKL is slow at a few rows (model/native_decode.py).
         self.few_row_product = None
-        # A weight-only quantized weight (model/quant.py) in place of `weight` (then empty): up to quant_rows rows
-        # through quant_product (the native product), above dequantized for oneDNN/BLAS (model/quant.py says why).
+        # A weight-only quantized weight (model/quant.py) in place of `weight` (then empty), multiplied by
+        # quant_product (the native product, model/native_decode.py).
         self.quant = None
-        self.quant_rows = 0
         self.quant_product = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,11 +145,8 @@ class Linear(DirectCall, nn.Linear):
             rows = x.reshape(-1, x.shape[-1])
             if self.quant_product is None:  # no native library: correct and slow
                 out = F.linear(rows, self.quant.dequantize(), self.bias)
-            elif rows.shape[0] <= self.quant_rows:
-                out = self.quant_product(rows, self.quant, self.bias)
             else:
-                from .quant import many_rows_product
-                out = many_rows_product(rows, self.quant, self.bias, self.quant_product, _dense_gemm)
+                out = self.quant_product(rows, self.quant, self.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)

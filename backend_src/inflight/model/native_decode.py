@@ -31,7 +31,6 @@ from ..attention import AttentionMetadata
 from ..cpu_defaults import ResolvedSwitches
 from ..env_overrides import native_cache_dir
 from .linear import Linear, host_defaults
-from .quant import QUANT_ROWS
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -124,9 +123,7 @@ def _load(library: str) -> ctypes.CDLL:
     lib.linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
     lib.linear_rows.restype = None
     lib.q_linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
-    lib.q_linear_rows.restype = None
-    lib.q_dequantize_rows.argtypes = [ctypes.POINTER(_Model), pointer, c_int, c_int, c_int, pointer]
-    lib.q_dequantize_rows.restype = None
+    lib.q_linear_rows.restype = c_int
     return lib
 
 
@@ -144,34 +141,20 @@ def _linear_rows(lib: ctypes.CDLL, spec: _Model, rows: torch.Tensor, weight: tor
 
 def quant_product():
     """quant_rows.c's product over a QuantizedWeight (model/quant.py), as (rows [n, in], weight, bias or None) ->
-    [n, out] at torch's current width. Raises RuntimeError / OSError where the library cannot be built."""
+    [n, out] at torch's current width, any number of rows. Raises RuntimeError / OSError where the library
+    cannot be built."""
     lib, spec = _load(build_library()), _Model(gemm=0)
 
     def product(rows: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0], weight.out_features)
         spec.threads = torch.get_num_threads()
-        lib.q_linear_rows(ctypes.byref(spec), rows.shape[0], rows.data_ptr(), rows.shape[1],
-                          ctypes.byref(weight.native), None if bias is None else bias.data_ptr(), weight.out_features,
-                          out.data_ptr())
+        if lib.q_linear_rows(ctypes.byref(spec), rows.shape[0], rows.data_ptr(), rows.shape[1],
+                             ctypes.byref(weight.native), None if bias is None else bias.data_ptr(),
+                             weight.out_features, out.data_ptr()):
+            raise MemoryError("the quantized product could not allocate its scratch memory")
         return out
 
-    def dequantize(weight, o0: int, o1: int, dst: torch.Tensor) -> torch.Tensor:
-        """Rows o0 .. o1 - 1 of the weight in float32, into dst's first (o1 - o0) * in floats."""
-        spec.threads = torch.get_num_threads()
-        lib.q_dequantize_rows(ctypes.byref(spec), ctypes.byref(weight.native), weight.in_features, o0, o1,
-                              dst.data_ptr())
-        return dst[:(o1 - o0) * weight.in_features].view(o1 - o0, weight.in_features)
-
-    buffer: list[torch.Tensor] = []
-
-    def scratch(floats: int) -> torch.Tensor:
-        """The product's dequantization buffer, grown to `floats` (one engine thread uses it at a time)."""
-        if not buffer or buffer[0].numel() < floats:
-            buffer[:] = [torch.empty(floats)]
-        return buffer[0]
-
-    product.dequantize, product.scratch = dequantize, scratch
     return product
 
 
@@ -355,12 +338,12 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
         return None
     # Whole steps need the dense weights that select_cpu_gemm keeps for the few-row path (model/linear.py), and
     # torch's sgemm where Linear takes BLAS there too (Intel), else decode_step.c's own product. A quantized
-    # model's whole steps run the quantized product, as its linears do up to QUANT_ROWS rows.
+    # model's decode steps run whole at any size, through the quantized product its linears use anyway.
     if model.is_quantized:
         if not all(layer.quant is not None for layer in _linears(model)):
             log.info("native CPU decode step: not for a model with float and quantized linears mixed")
             return None
-        max_rows, gemm = QUANT_ROWS, 0
+        max_rows, gemm = 1 << 30, 0
     else:
         max_rows = switches.cpu_gemv_rows if all(layer.weight.numel() for layer in _linears(model)) else 0
         gemm = _torch_sgemm() if max_rows and switches.few_row_blas else 0
@@ -377,8 +360,11 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
         # The logits of those steps too: oneDNN streams the lm_head's 113 MB (SmolLM2) at ~18 GB/s where the
         # native product reaches ~25 (6.2 vs 4.4 ms a one-row step on this project's EPYC).
         head.gemv_rows, head.few_row_product = max_rows, forward.linear
-    log.info("native CPU decode step (%s): whole steps up to %d rows (%s), layer by layer above", forward.library,
-             forward.max_rows, "BLAS" if gemm else "its own product")
+    if model.is_quantized:
+        log.info("native CPU decode step (%s): every decode step whole, quantized weights", forward.library)
+    else:
+        log.info("native CPU decode step (%s): whole steps up to %d rows (%s), layer by layer above",
+                 forward.library, forward.max_rows, "BLAS" if gemm else "its own product")
     return forward
 
 

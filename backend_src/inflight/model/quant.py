@@ -1,12 +1,12 @@
 """Weight-only quantized weights on CPU: int8 (per output channel, or per 32 as GGUF's Q8_0) and 4-bit (blocks of 32
 with a scale and a min, GGUF's Q4_0 / Q4_1 layout); activations stay float32.
 
-A QuantizedWeight holds the integers and scales as torch tensors. Linear (model/linear.py) multiplies by it at a
-few rows through the native product (native/quant_rows.c: each weight widened to float32 in registers, 1/4 or
-~1/7 of float32's bytes streamed), and at more rows by dequantizing chunks into float32 for oneDNN, where the step
-is bound by arithmetic rather than by bytes. `quantize_int8` / `quantize_int4` make one from a float weight at
-load (model parameter `quantization`); `from_gguf_blocks` repacks GGUF's Q8_0 / Q4_0 / Q4_1 blocks as they are
-(model/gguf_loader.py), so no float32 copy of the model is ever made.
+A QuantizedWeight holds the integers and scales as torch tensors, in the native product's tiles of 16 outputs.
+Linear (model/linear.py) multiplies by it through that product (native/quant_rows.c: weights widened to float32
+in registers; at a few rows bound by streaming 1/4 or ~1/7 of float32's bytes, at many by arithmetic).
+`quantize_int8` / `quantize_int4` make one from a float weight at load (model parameter `quantization`);
+`from_gguf_blocks` takes GGUF's Q8_0 / Q4_0 / Q4_1 blocks as they are (model/gguf_loader.py), so no float32 copy
+of the model is ever made.
 """
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ BLOCK = 32  # inputs per scale of a 4-bit weight, and of GGUF's Q8_0
 _KINDS = {INT8: 1, INT4: 2}  # native.h: Q_INT8, Q_INT4
 
 
+TILE = 16  # output rows per tile of the native layout (native.h)
+
+
 @dataclass
 class QuantizedWeight:
-    """w[o, i] = q[o, i] * scale[o, i // group] (+ min[o, i // 32] for 4-bit), in float32 (the native product
-    applies the scales per group: native/quant_rows.c).
+    """w[o, i] = q[o, i] * scale[o, i // group] (+ min[o, i // 32] for 4-bit), in float32.
 
-    int8: q int8 [out, in]; group = in (per output channel) or a multiple of 32. 4-bit: q uint8 [out, in // 2] in
-    GGUF's order (byte j of a 32-input block: input j in the low nibble, input j + 16 in the high one); scale and
-    min [out, in // 32]; Q4_0's w = d (q - 8) is stored as min = -8 d."""
+    Built from the plain layout: int8 q [out, in], group = in (per output channel) or a multiple of 32 dividing
+    in; 4-bit q uint8 [out, in // 2] in GGUF's order (byte j of a 32-input block: input j in the low nibble,
+    input j + 16 in the high one), scale and min [out, in // 32] (Q4_0's w = d (q - 8) as min = -8 d). Stored
+    in the native product's tiles of 16 outputs (native.h); `plain()` gives the plain layout back."""
     kind: str
     q: torch.Tensor
     scale: torch.Tensor
@@ -37,41 +40,78 @@ class QuantizedWeight:
     in_features: int
 
     def __post_init__(self):
-        self.scale = self.scale.float().contiguous()
-        self.min = None if self.min is None else self.min.float().contiguous()
-        self.q = self.q.contiguous()
-        out = self.q.shape[0]
-        if self.kind == INT8 and self.group != self.in_features and (self.group % 32 or self.in_features % self.group):
-            raise ValueError(f"int8 group={self.group} must be the row ({self.in_features}) or a multiple of 32 "
-                             f"that divides it")
-        if self.kind == INT4 and (self.in_features % BLOCK or self.group != BLOCK or self.min is None):
-            raise ValueError(f"4-bit weights need blocks of {BLOCK} inputs with a min: in={self.in_features}")
-        if self.scale.shape != (out, -(-self.in_features // self.group)):
-            raise ValueError(f"scale shape {tuple(self.scale.shape)} does not fit {out} x {self.in_features} "
-                             f"with group {self.group}")
+        out, inp = self.q.shape[0], self.in_features
+        if self.kind == INT8 and self.group != inp and (self.group % 32 or inp % self.group):
+            raise ValueError(f"int8 group={self.group} must be the row ({inp}) or a multiple of 32 that divides it")
+        if self.kind == INT4 and (inp % BLOCK or self.group != BLOCK or self.min is None):
+            raise ValueError(f"4-bit weights need blocks of {BLOCK} inputs with a min: in={inp}")
+        if self.scale.shape != (out, -(-inp // self.group)):
+            raise ValueError(f"scale shape {tuple(self.scale.shape)} does not fit {out} x {inp} with group "
+                             f"{self.group}")
+        self.out_features = out
+        values = self.q if self.kind == INT8 else _unpack_nibbles(self.q, inp)
+        tiled = _tiles(values)  # [tiles, in, 16]
+        self.q = (tiled if self.kind == INT8 else tiled[..., :8] | (tiled[..., 8:] << 4)).contiguous()
+        per_output = self.kind == INT8 and self.group == inp
+        self.scale = (_pad_rows(self.scale.float(), 1.0).reshape(-1) if per_output
+                      else _tiles(self.scale.float())).contiguous()
+        self.min = None if self.min is None else _tiles(self.min.float()).contiguous()
         # The native side reads these addresses; the struct lives as long as this weight.
         self.native = _QWeight(_KINDS[self.kind], self.group, self.q.data_ptr(), self.scale.data_ptr(),
                                None if self.min is None else self.min.data_ptr())
 
     @property
-    def out_features(self) -> int:
-        return self.q.shape[0]
-
-    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 weight [out, in], or only the given rows (an embedding lookup), rounded as the native
-        product rounds each weight: q * scale, then + min."""
-        q, scale = (self.q, self.scale) if rows is None else (self.q[rows], self.scale[rows])
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q, scale, min) in the layout the constructor takes."""
+        out = self.out_features
         if self.kind == INT8:
-            per = scale.repeat_interleave(self.group, dim=-1)[..., :self.in_features]
-            return q.float() * per
-        mn = self.min if rows is None else self.min[rows]
-        blocks = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
-        values = torch.cat((blocks & 15, blocks >> 4), dim=-1).float()  # [..., blocks, 32]
-        return (values * scale[..., None] + mn[..., None]).reshape(*q.shape[:-1], self.in_features)
+            per_output = self.group == self.in_features
+            scale = self.scale[:out, None] if per_output else _untile(self.scale)[:out]
+            return _untile(self.q)[:out], scale, None
+        values = _untile(torch.cat((self.q & 15, self.q >> 4), dim=-1))[:out]
+        blocks = values.reshape(out, -1, BLOCK)
+        packed = (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(out, -1)
+        return packed, _untile(self.scale)[:out], _untile(self.min)[:out]
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [out, in], or only the given rows (an embedding lookup): q * scale (+ min)."""
+        rows = torch.arange(self.out_features) if rows is None else rows
+        tile, lane = rows // TILE, rows % TILE
+        if self.kind == INT8:
+            q = self.q[tile, :, lane].float()  # [n, in]
+            if self.group == self.in_features:
+                return q * self.scale[rows, None]
+            scale = self.scale[tile, :, lane]  # [n, groups]
+            return q * scale.repeat_interleave(self.group, dim=-1)
+        byte = self.q[tile, :, lane % 8]
+        q = torch.where((lane < 8)[:, None], byte & 15, byte >> 4).float()
+        d, m = self.scale[tile, :, lane], self.min[tile, :, lane]  # [n, blocks]
+        return q * d.repeat_interleave(BLOCK, dim=-1) + m.repeat_interleave(BLOCK, dim=-1)
+
+
+def _unpack_nibbles(packed: torch.Tensor, inp: int) -> torch.Tensor:
+    """GGUF-order 4-bit rows [out, in // 2] -> values [out, in] (uint8, 0-15)."""
+    blocks = packed.reshape(packed.shape[0], -1, BLOCK // 2)
+    return torch.cat((blocks & 15, blocks >> 4), dim=-1).reshape(packed.shape[0], inp)
+
+
+def _pad_rows(t: torch.Tensor, value=0) -> torch.Tensor:
+    extra = -t.shape[0] % TILE
+    return torch.cat((t, t.new_full((extra, *t.shape[1:]), value))) if extra else t
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[out, k] -> [tiles, k, 16]: each tile's 16 rows, column by column (padding rows of 1: a harmless scale)."""
+    padded = _pad_rows(t, 1 if t.is_floating_point() else 0)
+    return padded.reshape(-1, TILE, t.shape[1]).transpose(1, 2)
+
+
+def _untile(t: torch.Tensor) -> torch.Tensor:
+    """[tiles, k, 16] -> [tiles * 16, k]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
 
 
 class _QWeight(ctypes.Structure):
@@ -134,8 +174,9 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, out: int, inp: int) -> Quantize
 
 def permute_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
     """The same weight with its output rows reordered (undoing llama.cpp's q/k row interleave)."""
-    return QuantizedWeight(weight.kind, weight.q[order], weight.scale[order],
-                           None if weight.min is None else weight.min[order], weight.group, weight.in_features)
+    q, scale, mn = weight.plain()
+    return QuantizedWeight(weight.kind, q[order], scale[order], None if mn is None else mn[order], weight.group,
+                           weight.in_features)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -144,36 +185,13 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any((p.kind, p.group, p.in_features) != (first.kind, first.group, first.in_features) for p in parts):
         raise ValueError("fused projections must share one quantization: " +
                          ", ".join(f"{p.kind}/{p.group}" for p in parts))
-    return QuantizedWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                           None if first.min is None else torch.cat([p.min for p in parts]), first.group,
+    plain = [p.plain() for p in parts]
+    return QuantizedWeight(first.kind, torch.cat([q for q, _, _ in plain]), torch.cat([s for _, s, _ in plain]),
+                           None if first.min is None else torch.cat([m for _, _, m in plain]), first.group,
                            first.in_features)
 
 
 # ---- applied to a model ---------------------------------------------------------------------------------------
-# Up to this many rows a quantized linear takes the native product; above, its weight is dequantized for oneDNN /
-# BLAS (perf/probes/quant_rows.py measures the crossing: the native product's arithmetic grows with the rows while
-# a dequantization costs one pass over the weight).
-QUANT_ROWS = 16
-
-
-# A many-row product dequantizes this many float32 weights at a time (4 MB: cache-resident while multiplied), so its
-# scratch memory stays small whatever the matrix (SmolLM2's lm_head would be 113 MB at once).
-DEQUANT_CHUNK_FLOATS = 1 << 20
-
-
-def many_rows_product(rows: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, product,
-                      gemm) -> torch.Tensor:
-    """rows [n, in] . weight^T for many rows: output-row chunks of the weight dequantized natively into the
-    product's scratch buffer, each multiplied by `gemm(x, w, bias)` (oneDNN or torch's linear)."""
-    chunk = max(1, DEQUANT_CHUNK_FLOATS // weight.in_features)
-    scratch = product.scratch(chunk * weight.in_features)
-    outs = []
-    for o0 in range(0, weight.out_features, chunk):
-        o1 = min(weight.out_features, o0 + chunk)
-        outs.append(gemm(rows, product.dequantize(weight, o0, o1, scratch), None if bias is None else bias[o0:o1]))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
 class QuantizedEmbedding(torch.nn.Module):
     """An embedding whose rows are dequantized on lookup (a tied one shares the lm_head's quantized weight)."""
 
@@ -201,6 +219,11 @@ def quantize_model(model: torch.nn.Module, kind: str) -> None:
     elif not isinstance(model.embed_tokens, QuantizedEmbedding):
         model.embed_tokens = QuantizedEmbedding(quantize_int8(model.embed_tokens.weight))
     release_float_weights(model)
+    # The float tensors left (norms, biases) may be views of the checkpoint's memory map: copied, the map (the
+    # whole float32 file) can go.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
 
 
 def release_float_weights(model: torch.nn.Module) -> None:
@@ -211,9 +234,9 @@ def release_float_weights(model: torch.nn.Module) -> None:
             linear.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
 
-def attach_quant_product(model: torch.nn.Module, rows: int = QUANT_ROWS) -> bool:
-    """Point every quantized linear at the native product (up to `rows` rows). Without a C compiler the linears
-    dequantize at every call instead: correct, and slow; the caller logs it. Returns whether it is attached."""
+def attach_quant_product(model: torch.nn.Module) -> bool:
+    """Point every quantized linear at the native product. Without a C compiler the linears dequantize at every
+    call instead: correct, and slow; the caller logs it. Returns whether it is attached."""
     from .linear import Linear
     from .native_decode import quant_product
     try:
@@ -222,7 +245,7 @@ def attach_quant_product(model: torch.nn.Module, rows: int = QUANT_ROWS) -> bool
         return False
     for linear in model.modules():
         if isinstance(linear, Linear) and linear.quant is not None:
-            linear.quant_product, linear.quant_rows = product, rows
+            linear.quant_product = product
     return True
 
 

@@ -99,13 +99,13 @@ void linear_rows(const Model *m, int n, const float *x, int in, const float *w, 
         few_rows_gemm(m, n, x, in, w, out, y);
 }
 
-/* A layer's linear in decode_step(): float weights, or QWeight descriptors where the model is quantized. */
-static void layer_linear(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
-                         float *y) {
-    if (m->quantized)
-        q_linear_rows(m, n, x, in, (const QWeight *)w, bias, out, y);
-    else
-        linear_rows(m, n, x, in, w, bias, out, y);
+/* A layer's linear in decode_step(): float weights, or QWeight descriptors where the model is quantized.
+ * Returns 0, or -1 when scratch memory could not be had. */
+static int layer_linear(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
+                        float *y) {
+    if (m->quantized) return q_linear_rows(m, n, x, in, (const QWeight *)w, bias, out, y);
+    linear_rows(m, n, x, in, w, bias, out, y);
+    return 0;
 }
 
 static void rms_norm(const float *x, const float *w, int d, float eps, float *out) {
@@ -320,13 +320,15 @@ int decode_step(const Model *m, int n, float *x, const float *cos, const float *
     for (int l = 0; l < m->layers && rc == 0; l++) {
         const float *const *w = m->weights + (int64_t)l * W_PER_LAYER;
         add_rms_norm_rows(n, x, l ? y : NULL, w[W_IN_NORM], hd, m->eps, h);
-        layer_linear(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
-        rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
-        layer_linear(m, n, att, q_size, w[W_O], NULL, hd, y);
+        rc = layer_linear(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
+        if (rc == 0) rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
+        if (rc == 0) rc = layer_linear(m, n, att, q_size, w[W_O], NULL, hd, y);
+        if (rc != 0) break;
         add_rms_norm_rows(n, x, y, w[W_POST_NORM], hd, m->eps, h);
-        layer_linear(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
+        rc = layer_linear(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
+        if (rc != 0) break;
         silu_mul_rows(n, gu, inter, act);
-        layer_linear(m, n, act, inter, w[W_DOWN], NULL, hd, y);
+        rc = layer_linear(m, n, act, inter, w[W_DOWN], NULL, hd, y);
     }
     if (rc == 0) {
         add_rms_norm_rows(n, x, y, m->final_norm, hd, m->eps, h);

@@ -21,26 +21,25 @@ typedef struct {
     int32_t quantized;           /* decode_step() only: the linears' pointers in weights are QWeight* */
 } Model;
 
-/* A weight-only quantized [out][in] matrix, dequantized in registers: w = q * scale (+ min), in float32.
- * Q_INT8: q int8 [out][in], one scale per `group` inputs of a row (group = in: per output channel, as
- *   quantized at load; 32: GGUF's Q8_0).
- * Q_INT4: q two per byte [out][in / 2], in blocks of 32 inputs of 16 bytes each, GGUF's order (byte j holds
- *   input j in its low nibble and input j + 16 in its high one); per block a scale and a min (Q4_1: w = d q + m;
- *   Q4_0: w = d (q - 8), so min = -8 d). */
+/* A weight-only quantized [out][in] matrix in tiles of 16 output rows (the last one padded), input-major inside a
+ * tile, so that one widening load gives the 16 weights one input meets (quant_rows.c):
+ * Q_INT8: q int8 [tiles][in][16]; scale [tiles * 16] (group = in: one per output, as quantized at load) or
+ *   [tiles][in / group][16] (group 32: GGUF's Q8_0).
+ * Q_INT4: q [tiles][in][8] bytes, byte j holding output j in its low nibble and output j + 8 in its high one;
+ *   scale (d) and min (m) [tiles][in / 32][16]: w = d q + m per block of 32 inputs (Q4_0's w = d (q - 8) has
+ *   m = -8 d). */
 enum { Q_INT8 = 1, Q_INT4 = 2 };
 
 typedef struct {
     int32_t kind, group;
     const void *q;
-    const float *scale; /* [out][in / group] (Q_INT4: group 32) */
-    const float *min;   /* Q_INT4 only: [out][in / 32] */
+    const float *scale;
+    const float *min; /* Q_INT4 only */
 } QWeight;
 
-/* y[n][out] = x[n][in] . w^T (+ bias), the quantized product: each weight dequantized once per pass over its row
- * (for up to four input rows), then multiplied as decode_step.c's float product does, in the same order. */
-void q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *w, const float *bias, int out,
-                   float *y);
-void q_dequantize_rows(const Model *m, const QWeight *w, int in, int o0, int o1, float *dst);
+/* y[n][out] = x[n][in] . w^T (+ bias). Returns 0, or -1 when scratch memory could not be had. */
+int q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *w, const float *bias, int out,
+                  float *y);
 
 /* Hot loops get one clone per instruction set and the loader picks one for this CPU (an ifunc): the library
  * stays portable (no -march=native), so an image can build it once for every x86-64 host. */
