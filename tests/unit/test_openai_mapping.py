@@ -96,14 +96,20 @@ def test_chat_messages_text_parts_joined_and_developer_is_system():
 
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"tool_choice": "auto"},
-    {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]},
+    {"tool_choice": "auto"},  # no tools to choose from
     {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
     {"messages": [{"role": "wizard", "content": "x"}]},
     {"messages": []},
-    {"response_format": {"type": "json_object"}},
     {"logprobs": True},
+    {"functions": [{"name": "f"}]},
+    {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+     "response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
 ])
 def test_chat_unsupported_content_is_a_clear_400(body):
     full = {"model": "m", "messages": [{"role": "user", "content": "x"}], **body}
