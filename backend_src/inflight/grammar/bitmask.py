@@ -18,10 +18,14 @@ class StepMask:
         self.stop_token_ids = [t for t in stop_token_ids if 0 <= t < vocab_size]
         self._bitmask: torch.Tensor | None = None
 
-    def _buffer(self, rows: int) -> torch.Tensor:
+    def _buffer(self, rows: int, device: torch.device) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:
             import xgrammar as xgr
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+            if device.type == "cuda":
+                # Pinned: the copy to the device is then asynchronous and does not wait for the forward. The
+                # buffer is written again only next step, after the sampler read this step's tokens.
+                self._bitmask = self._bitmask.pin_memory()
         return self._bitmask
 
     def apply(self, logits: torch.Tensor, seqs: list) -> None:
@@ -31,7 +35,7 @@ class StepMask:
         if not rows:
             return
         import xgrammar as xgr
-        bitmask = self._buffer(logits.shape[0])
+        bitmask = self._buffer(logits.shape[0], logits.device)
         need = []
         for i in rows:
             seq = seqs[i]
