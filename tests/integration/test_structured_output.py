@@ -189,8 +189,9 @@ def guide(kind: str, text: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def ensemble_text(server, model: str, inputs) -> str:
-    """One request to a TensorRT-LLM-shaped model; its text (streamed models: the deltas joined)."""
+def ensemble_text(server, model: str, inputs, with_reason: bool = False):
+    """One request to a TensorRT-LLM-shaped model; its text (streamed models: the deltas joined), and its finish
+    reason when asked (the request must ask for finish_reason)."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         if model == "ensemble_unary":
@@ -198,16 +199,18 @@ def ensemble_text(server, model: str, inputs) -> str:
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result=None, error=None: got.put((result, error)))
         client.async_stream_infer(model, inputs)
-        parts = []
+        parts, reason = [], None
         while True:
             result, error = got.get(timeout=400)
             if error is not None:
                 raise RuntimeError(error.message())
             parts.append(result.as_numpy("text_output").reshape(-1)[0].decode())
+            if result.as_numpy("finish_reason") is not None:
+                reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
         client.stop_stream()
-        return "".join(parts)
+        return ("".join(parts), reason) if with_reason else "".join(parts)
     finally:
         client.close()
 
@@ -241,11 +244,13 @@ def test_json_schema_on_the_tensorrt_llm_ways_and_the_dynamic_arm(server):
     valid_user(dynamic)
     assert reason == "stop"
     # TensorRT-LLM's "json": any JSON value (this one may run to max_tokens: then a JSON text cut short)
-    text = ensemble_text(server, "ensemble", trtllm_inputs("Reply with a JSON list of two colors.", **guide("json")))
-    if text.rstrip().endswith(("]", "}")):
+    inputs = trtllm_inputs("Reply with a JSON list of two colors.", return_finish_reason=np.array([[True]]),
+                           **guide("json"))
+    text, reason = ensemble_text(server, "ensemble", inputs, with_reason=True)
+    if reason == "stop":
         json.loads(text)
     else:
-        assert text.lstrip()[:1] in '{["-0123456789tfn', text
+        assert reason == "length" and text.lstrip()[:1] in '{["-0123456789tfn', (reason, text)
 
 
 def test_json_schema_through_openai_response_format_on_both_endpoints(client):
