@@ -265,10 +265,14 @@ def test_json_schema_through_openai_response_format_on_both_endpoints(client):
     completion = client.completions.create(model="llm", prompt="A user record in JSON: ", max_tokens=160,
                                            temperature=0, extra_body={"response_format": fmt})
     valid_user(completion.choices[0].text)
-    anything = client.chat.completions.create(model="llm", messages=[{"role": "user", "content": ASK}],
-                                              response_format={"type": "json_object"}, max_tokens=200,
-                                              temperature=0)
-    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    anything = client.chat.completions.create(
+        model="llm", messages=[{"role": "user", "content": "Reply with a JSON object whose key answer says yes."}],
+        response_format={"type": "json_object"}, max_tokens=120, temperature=0)
+    text, reason = anything.choices[0].message.content, anything.choices[0].finish_reason
+    if reason == "stop":  # any object; a long one may be cut by max_tokens, and then it only starts as one
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert reason == "length" and text.lstrip().startswith("{"), (reason, text)
 
 
 def test_constrained_requests_leave_unconstrained_neighbours_byte_identical(server):
