@@ -23,8 +23,8 @@ JSON_SCHEMA, JSON_OBJECT, JSON_ANY, REGEX, CHOICE, EBNF, LARK = (
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties",
                       "whitespace_pattern", "backend")
-# Values of vLLM's `backend` option that this engine honours: it has one library (xgrammar).
-BACKENDS = ("auto", "xgrammar", "guidance")  # guidance: accepted as a name a vLLM client may pin; xgrammar serves it
+# Values of vLLM's `backend` option this engine honours: it has one library, xgrammar.
+BACKENDS = ("auto", "xgrammar")
 # TensorRT-LLM's guided_decoding_guide_type values.
 TRTLLM_GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 MAX_CHOICES = 256
