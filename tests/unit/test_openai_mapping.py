@@ -251,10 +251,10 @@ def test_completion_bodies_and_no_usage_key_without_include_usage():
     b = ResponseBuilder(req)
     c = b.chunk("t")
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t" and "usage" not in c
-    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full([("out", "stop")], {"x": 1})
+    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full([("out", "stop", [])], {"x": 1})
     assert full["choices"][0] == {"index": 0, "text": "out", "logprobs": None, "finish_reason": "stop"}
     chat = ResponseBuilder(parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
-    body = chat.full([("hi", "stop"), ("yo", "length")], {})
+    body = chat.full([("hi", "stop", []), ("yo", "length", [])], {})
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["choices"][1]["message"]["content"] == "yo"
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
                                                                                      "content": "hi"}
