@@ -249,3 +249,41 @@ def test_the_static_arm_admits_its_batch_once_every_grammar_compiled():
                        "c": ("z", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))})
     assert re.fullmatch("[xy]{4}", out[("a", 0)][0]) and out[("b", 0)][0] in ("one", "two")
     engine.grammars.close()
+
+
+def test_the_loop_sleeps_while_only_a_grammar_compiles_and_wakes_when_it_is_done(engine, monkeypatch):
+    """No spinning: while nothing but a compiling request is left, the loop waits on its inbox (woken by the
+    compile's end) instead of calling step() back to back."""
+    from inflight.engine import EngineLoop
+
+    gate = threading.Event()
+    real = engine.grammars._compile_with
+    monkeypatch.setattr(engine.grammars, "_compile_with", lambda c, s: gate.wait(30) and real(c, s))
+    texts = []
+    done = threading.Event()
+
+    def collect(outs):
+        texts.extend(o.text_delta for o in outs)
+        if any(o.finished for o in outs):
+            done.set()
+
+    steps = [0]
+    real_step = engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    loop = EngineLoop(engine, collect, idle_wait_s=0.05)
+    loop.start()
+    try:
+        loop.add_request("gated", "Hello", structured(regex="gated[0-9]"))
+        time.sleep(0.5)  # ten idle waits at most; a spinning loop would step thousands of times
+        assert steps[0] <= 15, f"{steps[0]} steps while waiting for a grammar"
+        gate.set()
+        assert done.wait(60), "the request never finished"
+    finally:
+        loop.stop()
+    assert re.fullmatch("gated[0-9]", "".join(texts)), texts
+    assert_pool_whole(engine)
