@@ -66,6 +66,7 @@ class LLMEngine:
         # Structured output: grammars compiled by a worker (never this thread), cached by their text; requests
         # waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
         vocab = self.runner.model_config.vocab_size
+        # The compile worker reads the vocabulary from a tokenizer object of its own, loaded as the engine's are.
         self.grammars = GrammarCache(lambda: AutoTokenizer.from_pretrained(config.model), vocab, sorted(eos),
                                      config.grammar_cache_entries, on_compiled=self.metrics.on_grammar_compile)
         self._awaiting_grammar: dict[Sequence, None] = {}
