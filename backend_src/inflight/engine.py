@@ -10,7 +10,6 @@ import time
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -25,6 +24,7 @@ from .prompt import PromptEncoder
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
+from .tokenizer import load_tokenizer
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         # Two tokenizer objects: encoding runs in request threads, decoding in the engine thread,
         # and a Rust tokenizer object must not be used from two threads at once.
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self._decode_tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self._decode_tokenizer = load_tokenizer(config.model)
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
@@ -67,7 +67,7 @@ class LLMEngine:
         # waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
         vocab = self.runner.model_config.vocab_size
         # The compile worker reads the vocabulary from a tokenizer object of its own, loaded as the engine's are.
-        self.grammars = GrammarCache(lambda: AutoTokenizer.from_pretrained(config.model), vocab, sorted(eos),
+        self.grammars = GrammarCache(lambda: load_tokenizer(config.model), vocab, sorted(eos),
                                      config.grammar_cache_entries, on_compiled=self.metrics.on_grammar_compile)
         self._awaiting_grammar: dict[Sequence, None] = {}
         self.step_mask = StepMask(vocab, sorted(eos))

@@ -161,7 +161,8 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
     info = await backend.model(req.model)
     if req.is_chat:
         templates: ChatTemplates = request.app.state.templates
-        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages, req.tools)
+        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages,
+                                              req.tools, req.chat_template_kwargs)
     builder = ResponseBuilder(req)
     deltas = backend.generate(info, req.prompt, req.sampling, builder.id)
     try:

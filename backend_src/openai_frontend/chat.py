@@ -33,8 +33,9 @@ class ChatTemplates:
         self._tokenizer(path)
 
     def render(self, model: str, tokenizer_dir: str | None, messages: list[dict[str, Any]],
-               tools: ToolChoice | None = None) -> str:
-        """Blocking (first call loads the tokenizer): call it from a worker thread."""
+               tools: ToolChoice | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """Blocking (first call loads the tokenizer): call it from a worker thread. template_kwargs: variables the
+        template reads beyond the messages (the request's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if tokenizer_dir is None:
             raise APIError(400, f"model {model!r} has no tokenizer folder known to this server, so its chat "
                                 f"template is unknown: start the frontend with --tokenizer {model}=DIR, or "
@@ -53,7 +54,8 @@ class ChatTemplates:
             else:
                 messages = hermes_messages(messages, tools if tools is not None and tools.active else None)
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **{**(template_kwargs or {}), **kwargs})
         except Exception as e:  # noqa: BLE001 - templates raise their own errors for message orders they refuse
             raise bad_request(f"the chat template of {model!r} refused these messages: {e}", "messages") from e
 

@@ -32,6 +32,8 @@ class GenerationRequest:
     prompt: str = ""  # completions: the prompt; chat: filled in by rendering `messages`
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: ToolChoice = field(default_factory=ToolChoice)
+    # chat: extra variables for the model's chat template (vLLM's name), e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
@@ -247,6 +249,15 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise bad_request(f"tool_choice={body.get('tool_choice')!r:.80} and response_format both constrain the "
                               "output: give one", "tool_choice")
         req.sampling["structured_outputs"] = forced
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r:.80} must be an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(set(kwargs or {}) & {"conversation", "messages", "tokenize", "add_generation_prompt", "tools"})
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved}: the frontend sets them",
+                          "chat_template_kwargs")
+    req.chat_template_kwargs = dict(kwargs or {})
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")

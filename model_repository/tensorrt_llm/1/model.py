@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+from inflight.tokenizer import load_tokenizer
 
 from inflight.fields import InvalidRequestError
 from serving.batch_rows import with_trtllm_defaults
@@ -24,7 +24,7 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config, options = model_options(args)
         self.input_names = [i["name"] for i in model_config["input"]]
-        self.tokenizer = AutoTokenizer.from_pretrained(options.engine.model)
+        self.tokenizer = load_tokenizer(options.engine.model)
         self.ids = itertools.count()
 
     def execute(self, requests):
