@@ -66,6 +66,14 @@ class EngineConfig:
     default_max_tokens: int = setting(256, Ints(1, 1 << 24), (
         "max_tokens of a request that gives none (vLLM's backend: 16)."))
     seed: int = setting(0, Ints(0, (1 << 64) - 1), "Seed of the sampler for requests without their own seed.")
+    # Structured output (docs/structured_output.md).
+    grammar_compile_timeout_ms: int = setting(10_000, Ints(1, 3_600_000), (
+        "A request whose grammar (JSON schema, regex, choice, EBNF) has not compiled this long after it arrived "
+        "is refused (INVALID_ARG) before it takes any KV block; the compile itself finishes in its worker and "
+        "is cached."))
+    grammar_cache_entries: int = setting(256, Ints(1, 1 << 20), (
+        "Compiled grammars kept, least recently used first out; a request with a cached grammar is admitted "
+        "without compiling."))
 
     # Engine switches. "auto" is resolved when the model loads, per CPU or device, in one place
     # (cpu_defaults.resolve_cpu_defaults), which logs what it chose and why. docs/cpu.md has the measurements.

@@ -1,6 +1,7 @@
 """The engine: add_request / abort_request / step(), and the background loop thread that drives it."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -14,6 +15,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .fields import BY_NAME, InvalidRequestError
+from .grammar.bitmask import StepMask
+from .grammar.compiler import GrammarCache
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .logprobs import top_logprobs
@@ -60,6 +63,14 @@ class LLMEngine:
         # _render_deferred). Only where the forward runs asynchronously: on CPU it would only add a step of latency.
         self.defer_detokenize = self.runner.is_cuda
         self._deferred: dict[Sequence, int] = {}  # request -> its newest token, not rendered yet
+        # Structured output: grammars compiled by a worker (never this thread), cached by their text; requests
+        # waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
+        vocab = self.runner.model_config.vocab_size
+        # The compile worker reads the vocabulary from a tokenizer object of its own, loaded as the engine's are.
+        self.grammars = GrammarCache(lambda: load_tokenizer(config.model), vocab, sorted(eos),
+                                     config.grammar_cache_entries, on_compiled=self.metrics.on_grammar_compile)
+        self._awaiting_grammar: dict[Sequence, None] = {}
+        self.step_mask = StepMask(vocab, sorted(eos))
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases: set_step_timer()
         self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
@@ -109,6 +120,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id={seq.request_id!r} is already in flight: allowed a unique id")
         self.seqs[seq.request_id] = seq
         self.groups[seq.group_id] = [seq.request_id]
+        if seq.params.grammar is not None:
+            # Compiled by a worker (or found in the cache); the request waits in the queue, holding no KV block.
+            seq.grammar = self.grammars.request(seq.params.grammar)
+            self.metrics.on_grammar_request(seq.grammar.cache_hit)
+            self._awaiting_grammar[seq] = None
         self.scheduler.add(seq)
         self.metrics.on_request(seq.params.n)
 
@@ -140,6 +156,49 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.seqs)
 
+    def waits_only_for_grammars(self) -> bool:
+        """Nothing can run until a grammar compiles: the loop should sleep, not spin (it is woken when one is)."""
+        return bool(self._awaiting_grammar) and not self.scheduler.running and \
+            all(seq.waits_for_grammar for seq in self.scheduler.waiting)
+
+    def _check_grammars(self, now: float) -> list[RequestOutput]:
+        """Give each waiting request whose grammar compiled its matcher; refuse those whose grammar could not be
+        compiled or ran past grammar_compile_timeout_ms (INVALID_ARG, before any KV block was taken). The static
+        arm first waits for its batch's grammars: its batch joins together or not at all."""
+        if not self._awaiting_grammar:
+            return []
+        timeout_s = self.config.grammar_compile_timeout_ms / 1000.0
+        if self.config.static_batching and not self.scheduler.running:
+            pending = [s.grammar.future for s in self._awaiting_grammar if not s.grammar.is_ready]
+            if pending:
+                first = min(s.grammar.requested_at for s in self._awaiting_grammar)
+                concurrent.futures.wait(pending, timeout=max(0.0, first + timeout_s - time.monotonic()))
+                now = time.monotonic()
+        outs = []
+        for seq in list(self._awaiting_grammar):
+            handle = seq.grammar
+            if handle.is_ready:
+                del self._awaiting_grammar[seq]
+                compiled = handle.result()
+                if compiled.error is None:
+                    seq.grammar_matcher = self.grammars.new_matcher(handle)
+                else:
+                    outs.append(self._refuse(seq, compiled.error, now))
+            elif now - handle.requested_at > timeout_s:
+                del self._awaiting_grammar[seq]
+                spec = handle.spec
+                outs.append(self._refuse(seq, (
+                    f"{spec.source} is too costly to compile: its compile ran past grammar_compile_timeout_ms="
+                    f"{self.config.grammar_compile_timeout_ms}; allowed a smaller schema, regex or grammar"), now))
+                self.metrics.on_grammar_timeout()
+        return outs
+
+    def _refuse(self, seq: Sequence, message: str, now: float) -> RequestOutput:
+        seq.error = message
+        out = self._finish(seq, FinishReason.ERROR, now)
+        out.refused = True
+        return out
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -153,12 +212,13 @@ class LLMEngine:
         t0 = time.monotonic()
         timer = self.timer
         timer.start()
+        refused = self._check_grammars(t0)
         sched = self.scheduler.schedule()
         for _ in sched.preempted:
             self.metrics.on_preemption()
         if sched.is_empty:
             self._update_gauges()
-            return []
+            return refused
         for seq, _ in sched.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = t0
@@ -178,6 +238,9 @@ class LLMEngine:
         timer.lap("overlap")
         outputs = []
         if sample_seqs:
+            # The constrained rows' bitmask, applied in place: sampling and logprobs see the masked distribution.
+            self.step_mask.apply(logits, sample_seqs)
+            timer.lap("mask")
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
             tokens, logprobs = list(sampled.token_ids), list(sampled.logprobs)
             if any(not seq.forked for seq in sample_seqs):
@@ -187,6 +250,7 @@ class LLMEngine:
             outputs = self._on_tokens(sample_seqs, tokens, logprobs, tops, rendered)
             timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         outputs[:0] = rendered.values()
+        outputs[:0] = refused
         self._record_prefix_stats()
         now = time.monotonic()
         self.metrics.on_step(now - t0, sched.num_batched_tokens)
@@ -216,6 +280,9 @@ class LLMEngine:
                 child.group_id, child.sample_index, child.forked = parent.group_id, i, True
                 child.bad_word_ids = parent.bad_word_ids
                 child.first_scheduled_time = parent.first_scheduled_time
+                if parent.grammar is not None:  # its own matcher, at the start: it draws its first token now
+                    child.grammar = parent.grammar
+                    child.grammar_matcher = self.grammars.new_matcher(parent.grammar)
                 self.scheduler.fork(parent, child)
                 self.seqs[child.request_id] = child
                 self.groups[parent.group_id].append(child.request_id)
@@ -278,12 +345,23 @@ class LLMEngine:
                 stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
             num_tokens = len(seq.token_ids)
             num_prompt = len(seq.prompt_token_ids)
+            grammar_done = False
+            matcher = seq.grammar_matcher
+            if matcher is not None:
+                if not matcher.accept_token(token):  # the mask allowed it: only a bug (or a fully banned row) gets here
+                    seq.error = f"internal error: the grammar refused token {token} that the step's mask allowed"
+                    outputs.append(self._finish(seq, FinishReason.ERROR, now, [token], False, token_logprobs,
+                                                rendered.pop(seq.request_id, None)))
+                    continue
+                grammar_done = matcher.is_terminated()
             if stop_string_matched:
                 reason = FinishReason.STOP
             elif token in (self.eos_token_ids if params.end_id is None else (params.end_id,)) \
                     and not params.ignore_eos:
                 reason = FinishReason.EOS
             elif params.stop_token_ids and token in params.stop_token_ids:
+                reason = FinishReason.STOP
+            elif grammar_done:  # the grammar took its stop token: the output is complete (also with ignore_eos)
                 reason = FinishReason.STOP
             elif num_tokens - num_prompt >= seq.max_tokens or num_tokens >= max_len:
                 reason = FinishReason.LENGTH
@@ -336,6 +414,8 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = now
+        self._awaiting_grammar.pop(seq, None)
+        seq.grammar_matcher = None
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
         samples = self.groups[seq.group_id]
@@ -439,8 +519,10 @@ class EngineLoop:
             log.exception("on_outputs callback failed")
 
     def _run(self) -> None:
+        # A compiled grammar wakes the loop: a request that waited for it may now be admitted.
+        self.engine.grammars.on_ready = lambda: self._inbox.put(("wake", None))
         while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            self._drain_inbox(block=not self.engine.has_unfinished_requests() or self.engine.waits_only_for_grammars())
             if not self.engine.has_unfinished_requests():
                 continue
             try:

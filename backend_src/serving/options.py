@@ -62,6 +62,9 @@ class GlueParameters:
     max_stop_words: int = setting(_LIMITS.max_stop_words, _CAP, "Stop words, and bad words, per request at most.")
     max_word_bytes: int = setting(_LIMITS.max_word_bytes, _CAP, "Bytes of one stop or bad word at most.")
     max_stop_token_ids: int = setting(_LIMITS.max_stop_token_ids, _CAP, "Stop token ids per request at most.")
+    max_grammar_bytes: int = setting(_LIMITS.max_grammar_bytes, _CAP, (
+        "Bytes of one structured-output constraint at most: the structured_outputs object as JSON, or "
+        "guided_decoding_guide (compiles also stop at the engine's grammar_compile_timeout_ms)."))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -17,7 +17,7 @@ from serving.trtllm_pipeline import column, generation_outputs
 # Its sampling inputs that `llm` takes under the same names; the rest of its inputs shape the batch.
 _PASSED = ("temperature", "runtime_top_k", "runtime_top_p", "random_seed", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "min_length", "beam_width", "return_context_logits",
-           "return_generation_logits")
+           "return_generation_logits", "guided_decoding_guide_type", "guided_decoding_guide")
 
 
 class TritonPythonModel:
