@@ -189,77 +189,61 @@ INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWe
         for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
 }
 
-/* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency); more
- * rows take one tile at a time, as many rows as 16 registers hold (six per-output int8, four otherwise). */
+/* `rows` input rows of tile t through KERNEL, up to six (or four) at a time: each R a constant of its own call. */
+#define SIX_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                         \
+    for (int r = 0; r < (rows);) {                                                              \
+        const int R = (rows) - r >= 6 ? 6 : (rows) - r;                                        \
+        const float *xr = (x) + (int64_t)r * (in);                                             \
+        float *yr = (y) + (int64_t)r * (out);                                                  \
+        switch (R) {                                                                           \
+            case 6: KERNEL(6, 1, xr, in, w, t, yr, out); break;                                \
+            case 5: KERNEL(5, 1, xr, in, w, t, yr, out); break;                                \
+            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
+            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
+            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
+            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
+        }                                                                                      \
+        r += R;                                                                                \
+    }
+#define FOUR_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                        \
+    for (int r = 0; r < (rows);) {                                                              \
+        const int R = (rows) - r >= 4 ? 4 : (rows) - r;                                        \
+        const float *xr = (x) + (int64_t)r * (in);                                             \
+        float *yr = (y) + (int64_t)r * (out);                                                  \
+        switch (R) {                                                                           \
+            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
+            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
+            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
+            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
+        }                                                                                      \
+        r += R;                                                                                \
+    }
+
+/* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency): four
+ * where the registers allow, two for the per-32 kinds; more rows take one tile at a time, as many rows as 16
+ * registers hold (six for the kinds with one scale per output or none, four for the per-32 kinds). */
 QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, int t0, int t1, int out, float *y) {
+    const int per_output = w->kind == Q_BF16 || (w->kind == Q_INT8 && w->group >= in);
     for (int t = t0; t < t1;) {
-        if (w->kind == Q_BF16) {
+        if (per_output) {
             if (n == 1 && t + 4 <= t1) {
-                tiles_bf16(1, 4, x, in, w, t, y, out);
+                if (w->kind == Q_BF16) tiles_bf16(1, 4, x, in, w, t, y, out);
+                else tiles_q8_channel(1, 4, x, in, w, t, y, out);
                 t += 4;
-                continue;
-            }
-            for (int r = 0; r < n;) {
-                const int R = n - r >= 6 ? 6 : n - r;
-                const float *xr = x + (int64_t)r * in;
-                float *yr = y + (int64_t)r * out;
-                switch (R) {
-                    case 6: tiles_bf16(6, 1, xr, in, w, t, yr, out); break;
-                    case 5: tiles_bf16(5, 1, xr, in, w, t, yr, out); break;
-                    case 4: tiles_bf16(4, 1, xr, in, w, t, yr, out); break;
-                    case 3: tiles_bf16(3, 1, xr, in, w, t, yr, out); break;
-                    case 2: tiles_bf16(2, 1, xr, in, w, t, yr, out); break;
-                    default: tiles_bf16(1, 1, xr, in, w, t, yr, out); break;
-                }
-                r += R;
-            }
-            t++;
-            continue;
-        }
-        if (w->kind == Q_INT8 && w->group >= in) {
-            if (n == 1 && t + 4 <= t1) {
-                tiles_q8_channel(1, 4, x, in, w, t, y, out);
-                t += 4;
-                continue;
-            }
-            for (int r = 0; r < n;) {
-                const int R = n - r >= 6 ? 6 : n - r;
-                const float *xr = x + (int64_t)r * in;
-                float *yr = y + (int64_t)r * out;
-                switch (R) {
-                    case 6: tiles_q8_channel(6, 1, xr, in, w, t, yr, out); break;
-                    case 5: tiles_q8_channel(5, 1, xr, in, w, t, yr, out); break;
-                    case 4: tiles_q8_channel(4, 1, xr, in, w, t, yr, out); break;
-                    case 3: tiles_q8_channel(3, 1, xr, in, w, t, yr, out); break;
-                    case 2: tiles_q8_channel(2, 1, xr, in, w, t, yr, out); break;
-                    default: tiles_q8_channel(1, 1, xr, in, w, t, yr, out); break;
-                }
-                r += R;
-            }
-            t++;
-            continue;
-        }
-        const int pair = n == 1 && t + 2 <= t1; /* one row: two tiles in flight */
-        for (int r = 0; r < n;) {
-            const int R = pair ? 1 : n - r >= 4 ? 4 : n - r;
-            const float *xr = x + (int64_t)r * in;
-            float *yr = y + (int64_t)r * out;
-            if (w->kind == Q_INT4) {
-                if (pair) tiles_q4(1, 2, xr, in, w, t, yr, out);
-                else if (R == 4) tiles_q4(4, 1, xr, in, w, t, yr, out);
-                else if (R == 3) tiles_q4(3, 1, xr, in, w, t, yr, out);
-                else if (R == 2) tiles_q4(2, 1, xr, in, w, t, yr, out);
-                else tiles_q4(1, 1, xr, in, w, t, yr, out);
             } else {
-                if (pair) tiles_q8_group(1, 2, xr, in, w, t, yr, out);
-                else if (R == 4) tiles_q8_group(4, 1, xr, in, w, t, yr, out);
-                else if (R == 3) tiles_q8_group(3, 1, xr, in, w, t, yr, out);
-                else if (R == 2) tiles_q8_group(2, 1, xr, in, w, t, yr, out);
-                else tiles_q8_group(1, 1, xr, in, w, t, yr, out);
+                if (w->kind == Q_BF16) SIX_AT_A_TIME(tiles_bf16, n, x, in, w, t, y, out)
+                else SIX_AT_A_TIME(tiles_q8_channel, n, x, in, w, t, y, out)
+                t++;
             }
-            r += R;
+        } else if (n == 1 && t + 2 <= t1) {
+            if (w->kind == Q_INT4) tiles_q4(1, 2, x, in, w, t, y, out);
+            else tiles_q8_group(1, 2, x, in, w, t, y, out);
+            t += 2;
+        } else {
+            if (w->kind == Q_INT4) FOUR_AT_A_TIME(tiles_q4, n, x, in, w, t, y, out)
+            else FOUR_AT_A_TIME(tiles_q8_group, n, x, in, w, t, y, out)
+            t++;
         }
-        t += pair ? 2 : 1;
     }
 }
 
