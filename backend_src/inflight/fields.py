@@ -281,6 +281,8 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", INT, None, "log-probabilities of this many top tokens per output token (vLLM), on the "
           "`logprobs` output", lo=0, hi=MAX_LOGPROBS, inputs=()),
     Field("skip_special_tokens", BOOL, True, "leave special tokens out of the text", inputs=()),
+    Field("speculative_decoding", BOOL, True, "where the engine drafts tokens (speculative_method), verify several "
+          "per step; false: one per step. The output is the same either way", inputs=()),
     # TensorRT-LLM features we do not have, accepted at the values its clients send when not using them.
     Field("beam_width", INT, 1, "beam search", unsupported="beam search is not implemented"),
     Field("length_penalty", FLOAT, 1.0, "beam search", unsupported="it applies to beam search only"),
