@@ -358,6 +358,7 @@ class LLMEngine:
         for seq, first in groups:
             drafts, params = seq.spec_token_ids, seq.params
             accepted = num_accepted(drafts, tokens[first:first + len(drafts) + 1])
+            self.speculator.observe(seq, len(drafts), accepted)
             num_draft_tokens += len(drafts)
             num_accepted_total += accepted
             for pos in range(accepted):

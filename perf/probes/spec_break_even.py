@@ -54,8 +54,10 @@ def workload(name: str, tokenizer, size: int, per_slot: int) -> list[tuple[str, 
         return [(tasks[i % len(tasks)].prompt, SamplingParams(max_tokens=tasks[i % len(tasks)].max_tokens,
                                                                 temperature=0.0)) for i in range(count)]
     mixed = ab_workloads.build("mixed", tokenizer, 0.25, count, seed=size)
-    return [(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
-            for r in mixed.requests]
+    # "sampled": the same load at temperature 1 (seeded), where drafts are accepted far less often.
+    temperature = 1.0 if name == "sampled" else 0.0
+    return [(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=temperature, seed=i, ignore_eos=True))
+            for i, r in enumerate(mixed.requests)]
 
 
 def main() -> None:
@@ -78,12 +80,12 @@ def main() -> None:
         for size in sizes:
             requests = workload(name, tokenizer, size, args.per_slot)
             row = {"workload": name, "running": size}
-            for side in ("off", "on"):  # alternating per size: a shared machine's slow minutes fall on both
+            for side in engines:  # alternating per size: a shared machine's slow minutes fall on both
                 row[side] = closed_loop(engines[side], requests, size)
             row["ratio"] = round(row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
             rows.append(row)
-            print(f"{name:9s} b={size:3d}  off {row['off']['tokens_per_s']:7.1f}  on {row['on']['tokens_per_s']:7.1f}"
-                  f"  tokens/s  ratio {row['ratio']:.3f}", flush=True)
+            print(f"{name:9s} b={size:3d} " + " ".join(f"{side} {row[side]['tokens_per_s']:7.1f}" for side in engines)
+                  + f"  tokens/s  ratio {row['ratio']:.3f}", flush=True)
     pays = {}
     for name in args.workloads.split(","):
         ok = [r["running"] for r in rows if r["workload"] == name and r["ratio"] >= 1.0]

@@ -84,6 +84,33 @@ def test_speculator_drafts_only_decodes_that_allow_it_and_never_past_max_tokens(
     assert Speculator.from_config(EngineConfig()) is not None  # auto: ngram on CPU
 
 
+def test_draft_length_follows_what_the_requests_drafts_achieve():
+    spec = Speculator.from_config(EngineConfig(speculative_method="ngram", num_speculative_tokens=5,
+                                               prompt_lookup_min=1, prompt_lookup_max=1))
+    seq = Sequence("r", [3] * 8, SamplingParams(), 100)
+    seq.token_ids.append(3)
+    seq.num_computed_tokens = 8
+
+    def drafted() -> int:
+        spec.propose([seq])
+        n, seq.spec_token_ids = len(seq.spec_token_ids), []
+        return n
+
+    assert drafted() == 5
+    spec.observe(seq, 5, 2)  # a rejection: one shorter
+    assert drafted() == 4
+    for _ in range(6):
+        spec.observe(seq, 4, 0)
+    assert drafted() == 1  # never below one
+    spec.observe(seq, 1, 1)  # all held: two longer, up to num_speculative_tokens
+    assert drafted() == 3
+    spec.observe(seq, 3, 3)
+    spec.observe(seq, 5, 5)
+    assert drafted() == 5
+    spec.forget(seq)
+    assert seq not in spec._lengths
+
+
 def test_settings_refuse_a_min_above_the_max_by_name_and_value():
     with pytest.raises(ValueError, match=r"prompt_lookup_min=5 is out of range: allowed \[1, prompt_lookup_max=3\]"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=3)

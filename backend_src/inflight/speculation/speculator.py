@@ -13,6 +13,7 @@ draft is a row wasted. Past speculative_disable_by_batch_size running requests n
 from __future__ import annotations
 
 import logging
+import weakref
 
 from ..config import EngineConfig
 from ..sequence import Sequence
@@ -41,6 +42,9 @@ class Speculator:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
+        # Per request, how many drafts to propose next: drafts past the first rejected one are rows computed for
+        # nothing, so the length follows what the request's drafts achieve (observe()).
+        self._lengths: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Speculator | None":
@@ -68,11 +72,19 @@ class Speculator:
             if seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens or not seq.params.speculative_decoding:
                 continue
             # Never past max_tokens: the step appends the accepted drafts and one token more.
-            room = min(k, seq.max_tokens - seq.num_output_tokens - 1)
+            room = min(self._lengths.get(seq, k), seq.max_tokens - seq.num_output_tokens - 1)
             if room > 0:
                 seq.spec_token_ids = self.proposer.propose(seq, room)
                 drafted = drafted or bool(seq.spec_token_ids)
         return drafted
 
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After a verification: the next draft may be two tokens longer when all of these held, one shorter
+        (at least one) when one failed (the schedule of Hugging Face's assisted generation)."""
+        k = self.num_speculative_tokens
+        length = self._lengths.get(seq, k)
+        self._lengths[seq] = min(k, length + 2) if num_accepted == num_drafts else max(1, length - 1)
+
     def forget(self, seq: Sequence) -> None:
         self.proposer.forget(seq)
+        self._lengths.pop(seq, None)
