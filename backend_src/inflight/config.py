@@ -70,9 +70,10 @@ class EngineConfig:
     num_speculative_tokens: int = setting(5, Ints(1, 64), "Draft tokens per request and step at most.")
     prompt_lookup_min: int = setting(2, Ints(1, 64), "Shortest n-gram the ngram method matches.")
     prompt_lookup_max: int = setting(4, Ints(1, 64), "Longest n-gram the ngram method matches (tried first).")
-    speculative_disable_by_batch_size: int = setting(4, Ints(0, _COUNT), (
-        "No drafts while more requests than this run: past it verification costs more than it saves "
-        "(measured on CPU, docs/speculative.md)."))
+    speculative_disable_by_batch_size: int = setting(8, Ints(0, _COUNT), (
+        "No drafts while more requests than this run: past it verification can cost more than it saves (the "
+        "break-even of a low-acceptance load on this project's CPU; copy-heavy loads still gain at 16-20: "
+        "docs/speculative.md). 0: never draft."))
 
     # Engine switches. "auto" is resolved when the model loads, per CPU or device, in one place
     # (cpu_defaults.resolve_cpu_defaults), which logs what it chose and why. docs/cpu.md has the measurements.
