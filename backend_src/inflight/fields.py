@@ -11,6 +11,7 @@ Every refusal is an InvalidRequestError whose message names the field, the value
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -24,7 +25,10 @@ class InvalidRequestError(ValueError):
 
 # Field kinds, and the Triton data type an input tensor of each kind is declared with.
 INT, FLOAT, BOOL, WORDS, TOKEN_IDS, FLOATS = "int", "float", "bool", "words", "token_ids", "floats"
-_TRITON_TYPES = {INT: "TYPE_INT32", FLOAT: "TYPE_FP32", BOOL: "TYPE_BOOL", WORDS: "TYPE_STRING", FLOATS: "TYPE_FP32"}
+# TEXT: one string (a guide, a choice among names); OBJECT: a JSON object, given as one or as its JSON text.
+TEXT, OBJECT = "text", "object"
+_TRITON_TYPES = {INT: "TYPE_INT32", FLOAT: "TYPE_FP32", BOOL: "TYPE_BOOL", WORDS: "TYPE_STRING", FLOATS: "TYPE_FP32",
+                 TEXT: "TYPE_STRING", OBJECT: "TYPE_STRING"}
 _LISTS = (WORDS, TOKEN_IDS, FLOATS)
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -57,6 +61,7 @@ class RequestLimits:
     max_stop_words: int = 32  # stop and bad words, each list
     max_word_bytes: int = 1024  # one stop or bad word
     max_stop_token_ids: int = 64
+    max_grammar_bytes: int = 32 << 10  # a schema, regex, grammar or guide (structured output)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -66,7 +71,7 @@ class RequestLimits:
 
 
 NO_LIMITS = RequestLimits(max_json_bytes=1 << 62, max_stop_words=1 << 62, max_word_bytes=1 << 62,
-                          max_stop_token_ids=1 << 62)
+                          max_stop_token_ids=1 << 62, max_grammar_bytes=1 << 62)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class Field:
     # A peer's feature we do not have: accepted only at its default (what clients send when they do not use
     # it), refused otherwise with this reason.
     unsupported: str = ""
+    choices: tuple[str, ...] = ()  # TEXT: the values allowed; (): any text
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -111,9 +117,11 @@ class Field:
             return self.allowed_text
         if self.unsupported:
             return f"only {_shown_default(self.default)} ({self.unsupported})"
+        if self.choices:
+            return f"one of {', '.join(self.choices)}"
         noun = {INT: "an integer", FLOAT: "a number", BOOL: "a boolean (true/false, 1/0)",
                 WORDS: "a string or a list of strings", TOKEN_IDS: "a list of token ids >= 0",
-                FLOATS: "a list of numbers"}[self.kind]
+                FLOATS: "a list of numbers", TEXT: "a string", OBJECT: "a JSON object (or its JSON text)"}[self.kind]
         if self.lo is not None and self.hi is not None:
             left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
             return f"{noun} in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
@@ -140,6 +148,10 @@ class Field:
             return _to_words(name, value, limits)
         if self.kind == TOKEN_IDS:
             return _to_token_ids(name, value, limits)
+        if self.kind == TEXT:
+            return _to_text(name, value, self.choices, limits)
+        if self.kind == OBJECT:
+            return _to_object(name, value, limits)
         if self.kind == FLOATS:
             values = value if isinstance(value, (list, tuple)) else [value]
             return [_to_float(name, _as_text(name, v), self.allowed) for v in values]
@@ -234,6 +246,37 @@ def _to_words(name: str, value: Any, limits: RequestLimits) -> list[str]:
     return words
 
 
+def _to_text(name: str, value: Any, choices: tuple[str, ...], limits: RequestLimits) -> str:
+    if not isinstance(value, str):
+        raise refuse(name, value, f"one of {', '.join(choices)}" if choices else "a string")
+    if choices and value not in choices:
+        raise refuse(name, value, f"one of {', '.join(choices)}", "is not supported")
+    if len(value.encode("utf-8")) > limits.max_grammar_bytes:
+        raise refuse(name, Shown(f"<{len(value.encode('utf-8'))} bytes>"), f"at most {limits.max_grammar_bytes} bytes")
+    return value
+
+
+def _to_object(name: str, value: Any, limits: RequestLimits) -> dict:
+    """A JSON object as clients send it: an object (a sampling_parameters key) or its JSON text (a request
+    parameter, which Triton keeps to scalars). Its size counts as JSON text, whichever way it came."""
+    text = value if isinstance(value, str) else None
+    if text is None:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            raise refuse(name, value, "a JSON object") from None
+    if len(text.encode("utf-8")) > limits.max_grammar_bytes:
+        raise refuse(name, Shown(f"<{len(text.encode('utf-8'))} bytes>"), f"at most {limits.max_grammar_bytes} bytes")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise refuse(name, text, f"a JSON object ({e})") from None
+    if not isinstance(value, dict):
+        raise refuse(name, value, "a JSON object")
+    return value
+
+
 def _to_token_ids(name: str, value: Any, limits: RequestLimits) -> list[int]:
     if not isinstance(value, (list, tuple)):
         value = [value]
@@ -281,6 +324,14 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", INT, None, "log-probabilities of this many top tokens per output token (vLLM), on the "
           "`logprobs` output", lo=0, hi=MAX_LOGPROBS, inputs=()),
     Field("skip_special_tokens", BOOL, True, "leave special tokens out of the text", inputs=()),
+    # Structured output (docs/structured_output.md): vLLM's object, or TensorRT-LLM's guide type + guide.
+    Field("structured_outputs", OBJECT, None, "constrain the output (vLLM): one of json (a schema), regex, "
+          "choice (a list of strings), grammar (EBNF or Lark), json_object (true); options disable_any_whitespace, "
+          "disable_additional_properties", aliases=("guided_decoding",), inputs=()),
+    Field("guided_decoding_guide_type", TEXT, None, "constrain the output (TensorRT-LLM): json = any JSON; "
+          "the others follow guided_decoding_guide", choices=("json", "json_schema", "regex", "ebnf_grammar")),
+    Field("guided_decoding_guide", TEXT, None, "the schema, regex or EBNF grammar guided_decoding_guide_type "
+          "names (TensorRT-LLM)"),
     Field("speculative_decoding", BOOL, True, "where the engine drafts tokens (speculative_method), verify several "
           "per step; false: one per step. The output is the same either way", inputs=()),
     # TensorRT-LLM features we do not have, accepted at the values its clients send when not using them.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -21,6 +22,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     index: int = 0  # which of the request's n samples
     samples: list["CompletionOutput"] = field(default_factory=list)  # all n of them, this one first
+    error: str | None = None  # why it ended with FinishReason.ERROR (e.g. a grammar that does not compile)
 
 
 class LLM:
@@ -54,6 +56,8 @@ class LLM:
             order.append(rid)
         with tqdm(total=len(results), desc="generate", unit="sample", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
+                if self.engine.waits_only_for_grammars():
+                    time.sleep(0.001)  # a worker compiles a grammar; nothing can run before it is done
                 for out in self.engine.step():
                     res = results[out.request_id, out.index]
                     res.token_ids.extend(out.new_token_ids)
@@ -61,5 +65,6 @@ class LLM:
                     if out.finished:
                         res.finish_reason = out.finish_reason
                         res.cumulative_logprob = out.cumulative_logprob
+                        res.error = out.error
                         bar.update(1)
         return [results[rid, 0] for rid in order]

@@ -20,6 +20,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Queue time is often near zero when the server is idle, so it also gets sub-300 ms resolution.
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + REQUEST_LATENCY_BUCKETS
+# Grammar compiles: a cached-size regex takes well under a millisecond, a large schema seconds.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STEP_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0)
 
@@ -106,6 +108,7 @@ class EngineMetrics:
       request_prompt_tokens:       vllm:request_prompt_tokens (per finished request)
       request_generation_tokens:   vllm:request_generation_tokens (per finished request)
       request_params_n:            vllm:request_params_n (samples a request asked for)
+      grammar_compile_seconds:     no vLLM equivalent (one grammar compile, in its worker thread)
 
     Speculative decoding counters (vLLM's spec_decode_* names): drafts verified (one per request and step that
     had any), draft tokens, accepted draft tokens, and accepted tokens by draft position (position i counts the
@@ -123,6 +126,10 @@ class EngineMetrics:
         self.queue_full_refusals_total = 0  # requests refused at once: max_queue_size were already waiting
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
+        self.grammar_cache_hits = 0  # requests whose grammar was compiled (or compiling) already
+        self.grammar_cache_misses = 0  # requests that started a compile
+        self.grammar_compile_errors = 0  # compiles the library refused (the request got INVALID_ARG)
+        self.grammar_compile_timeouts = 0  # requests refused for a compile past grammar_compile_timeout_ms
         self.spec_decode_num_drafts = 0
         self.spec_decode_num_draft_tokens = 0
         self.spec_decode_num_accepted_tokens = 0
@@ -138,6 +145,7 @@ class EngineMetrics:
             "request_prompt_tokens": Histogram(one_two_five_buckets(max_model_len)),
             "request_generation_tokens": Histogram(one_two_five_buckets(max_model_len)),
             "request_params_n": Histogram(N_BUCKETS),
+            "grammar_compile_seconds": Histogram(GRAMMAR_COMPILE_BUCKETS),
         }
         self.gauges: dict[str, float] = {name: 0 for name in GAUGE_NAMES}
         # Our own per-request marks, so the engine may set seq.first_*_time before or after calling us.
@@ -225,6 +233,22 @@ class EngineMetrics:
             self.prefix_cache_queries += num_query_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def on_grammar_request(self, cache_hit: bool) -> None:
+        with self._lock:
+            if cache_hit:
+                self.grammar_cache_hits += 1
+            else:
+                self.grammar_cache_misses += 1
+
+    def on_grammar_compile(self, seconds: float, ok: bool) -> None:
+        """From the compile worker (the lock makes that safe)."""
+        with self._lock:
+            self.histograms["grammar_compile_seconds"].observe(seconds)
+            self.grammar_compile_errors += 0 if ok else 1
+
+    def on_grammar_timeout(self) -> None:
+        with self._lock:
+            self.grammar_compile_timeouts += 1
     def on_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
                        accepted_per_pos: list[int]) -> None:
         """One step's verification: drafts (requests with drafts), their tokens, those accepted, and per draft
@@ -279,6 +303,10 @@ class EngineMetrics:
                 "queue_full_refusals_total": self.queue_full_refusals_total,
                 "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits,
+                "grammar_cache_hits": self.grammar_cache_hits,
+                "grammar_cache_misses": self.grammar_cache_misses,
+                "grammar_compile_errors": self.grammar_compile_errors,
+                "grammar_compile_timeouts": self.grammar_compile_timeouts,
                 "spec_decode_num_drafts": self.spec_decode_num_drafts,
                 "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -18,12 +19,22 @@ from .model import ModelConfig, load_model
 from .model import cpu_forward, native_decode
 from .model.fused_forward import fused_forward
 from .model.linear import release_dense_weights
+from .model.quant import attach_quant_product, quantized_bytes
 from .sequence import Sequence
 from .step_timer import NULL_TIMER
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps heap memory freed at load (the checkpoint's tensors, float32 weights a quantized load dropped)
+    for reuse; trimming gives it back, so the process's RSS says what the model holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def resolve_dtype(config: EngineConfig) -> torch.dtype:
@@ -38,7 +49,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = ModelConfig.from_path(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
         # Every "auto" switch resolved here, once, for this CPU and device; passed down from here on.
@@ -55,7 +66,8 @@ class ModelRunner:
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
-            self.model = load_model(config.model, self.dtype, self.device, self.switches)
+            self.model = load_model(config.model, self.dtype, self.device, self.switches, config.quantization)
+            _return_freed_memory()
             self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
             self.num_blocks = config.num_kv_blocks or (
@@ -76,6 +88,19 @@ class ModelRunner:
         self.model.set_attention_backend(backend)
 
     def _pick_forward(self):
+        if self.model.is_quantized:
+            return self._quantized_forward()
+        if not self.model.uses_fast_paths:
+            # The fused CUDA ops, the compiled CPU layer and the native decode step are written for llama.py's
+            # layer without a window; another family runs its own torch forward (model/<family>.py).
+            cfg = self.model_config
+            log.info("model_type %s (family %s%s): the torch forward; fused_ops, cpu_compile and "
+                     "cpu_native_decode cover the Llama family without a sliding window", cfg.model_type,
+                     cfg.family, ", sliding window %d" % cfg.sliding_window if cfg.sliding_window else "")
+            if not native_decode.native_few_row_linears(self.model, self.device, self.dtype, self.switches) \
+                    and self.device.type == "cpu":
+                release_dense_weights(self.model)
+            return self.model
         if self.switches.fused_ops:
             return functools.partial(fused_forward, self.model)
         if self.device.type == "cpu" and self.switches.cpu_compile:
@@ -84,6 +109,21 @@ class ModelRunner:
         if forward is None and self.device.type == "cpu":
             release_dense_weights(self.model)  # kept for the native step, where Linear does not take BLAS (AMD)
         return forward or self.model
+
+    def _quantized_forward(self):
+        """A quantized model: its linears through the native product, and decode-only steps through the whole
+        native step where the family is Llama's; the torch forward otherwise."""
+        if not attach_quant_product(self.model):
+            log.warning("quantized linears: the native product did not build, so every call dequantizes its "
+                        "weight (slow); install a C compiler (cc)")
+            return self.model
+        log.info("quantized model (%s): %.0f MB of quantized weights", self.config.quantization,
+                 quantized_bytes(self.model) / 2**20)
+        if self.model.uses_fast_paths and self.switches.cpu_native_decode:
+            forward = native_decode.native_forward(self.model, self.device, self.dtype, self.switches)
+            if forward is not None:
+                return forward
+        return self.model
 
     def enable_static_decode(self, capture: bool) -> None:
         """Route all-one-token steps through padded static buffers (cuda_graphs.py); capture=True (CUDA)

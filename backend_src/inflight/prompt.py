@@ -18,6 +18,10 @@ class PromptEncoder:
         self.configured_bytes = max_prompt_bytes
         self.max_prompt_bytes = min(max_prompt_bytes, 2 * max_model_len * self.max_token_bytes)
 
+    def _starts_with_bos(self, prompt: str) -> bool:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return bool(bos) and prompt.startswith(bos)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
@@ -41,6 +45,10 @@ class PromptEncoder:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template has its own markers
+        elif self._starts_with_bos(prompt):
+            # Text rendered by a chat template elsewhere (the OpenAI frontend) already begins with the BOS
+            # token; the tokenizer would add a second one, which models such as Gemma answer worse with.
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = self.tokenizer.encode(prompt)
         if not ids:

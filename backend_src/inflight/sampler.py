@@ -40,7 +40,7 @@ def _is_plain_greedy(seq: Sequence) -> bool:
     p = seq.params
     return (p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and not seq.bad_word_ids
-            and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens))
+            and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens or seq.grammar_must_end))
 
 
 def _has_penalty(seq: Sequence) -> bool:
@@ -340,8 +340,9 @@ def _banned_tokens(seq: Sequence, eos_token_ids: set[int]) -> list[int]:
     """Token ids this row may not produce at this step."""
     banned: list[int] = []
     p = seq.params
-    if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-        # ignore_eos plays no part here: it only tells the engine not to stop on eos.
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens and not seq.grammar_must_end:
+        # ignore_eos plays no part here: it only tells the engine not to stop on eos. A grammar that allows only
+        # its stop token now wins over min_tokens: banning that token would leave the row nothing to sample.
         banned.extend(eos_token_ids if p.end_id is None else (p.end_id,))
         banned.extend(p.stop_token_ids)
     if seq.bad_word_ids:

@@ -175,6 +175,8 @@ class Scheduler:
                 break
             if not seq.forked and len(self.running) + seq.params.n > self.config.max_num_seqs:
                 continue  # its samples will fork into running slots: they must all fit
+            if seq.waits_for_grammar:
+                continue  # its grammar is still compiling (off the engine thread); it takes no block until then
             hit_ids = self.bm.lookup_prefix(seq)
             num_hit_blocks = len(hit_ids)
             num_cached = num_hit_blocks * self.bm.block_size

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from .fields import SAMPLING_FIELDS, InvalidRequestError, sampling_dataclass
+from .grammar.spec import GrammarSpec, spec_of
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +50,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens={self.min_tokens} is out of range: "
                                       f"allowed [0, max_tokens={self.max_tokens}]")
+        # The output constraint, checked here (in the caller's thread); not a dataclass field, so it is
+        # derived again wherever the fields are (dataclasses.replace, the dynamic arm's JSON).
+        self.grammar: GrammarSpec | None = spec_of(self)
 
 
 _arrival_counter = itertools.count()
@@ -102,6 +106,11 @@ class Sequence:
         self.group_id = request_id
         self.sample_index = 0
         self.forked = params.n == 1
+        # Structured output (inflight/grammar): the compiled grammar's handle while it compiles or once ready, and
+        # this sample's own matcher (None: unconstrained, or the grammar is not ready yet).
+        self.grammar = None  # grammar.compiler.GrammarHandle
+        self.grammar_matcher = None  # xgrammar.GrammarMatcher
+        self.grammar_must_end = False  # this step the grammar allows only a stop token (min_tokens yields)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -130,6 +139,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the one newest token still lacks KV (prompt or recompute after preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Not admitted until its grammar is compiled (it holds no KV block meanwhile)."""
+        return self.grammar is not None and self.grammar_matcher is None
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -160,3 +174,4 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     index: int = 0  # which of the request's n samples (request_id names the request, not the sample)
+    refused: bool = False  # an ERROR that is the client's input (a grammar that cannot be compiled), not a fault

@@ -8,7 +8,7 @@ import torch
 
 # overlap: host work between launching the forward and the sampler (the scheduler's bookkeeping, deferred
 # detokenizing), which on CUDA runs while the device computes.
-PHASES = ("schedule", "prepare", "forward", "overlap", "sample", "detokenize", "other")
+PHASES = ("schedule", "prepare", "forward", "overlap", "mask", "sample", "detokenize", "other")
 
 
 class NullTimer:

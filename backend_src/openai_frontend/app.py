@@ -17,6 +17,7 @@ from .errors import APIError, bad_request
 from .protocol import GenerationRequest, parse_chat, parse_completion
 from .responses import DONE, ResponseBuilder, sse, usage
 from .triton_client import TritonBackend
+from .tools import ToolStream, finish_reason, parse_output
 from .triton_io import Delta, openai_finish_reason
 
 log = logging.getLogger(__name__)
@@ -103,13 +104,18 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
                     yield sse(builder.role_chunk(i))
             step, prefix = first, (req.prompt if req.echo else "")
             echoed = set()
+            # Chat with tools: each choice's text goes through its tool-call reader (content and tool_calls deltas).
+            readers = [ToolStream(req.tools) for _ in range(req.n)] if req.is_chat and req.tools.active else None
             while True:
                 choices.add(step)
                 for delta in step:
                     head = prefix if delta.index not in echoed else ""
                     echoed.add(delta.index)
                     text = head + delta.text
-                    if delta.finish_reason:
+                    if readers is not None:
+                        for chunk in _tool_chunks(builder, readers[delta.index], text, delta):
+                            yield sse(chunk)
+                    elif delta.finish_reason:
                         yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index))
                     elif text:
                         yield sse(builder.chunk(text, index=delta.index))
@@ -125,6 +131,26 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
         yield DONE
 
 
+def _tool_chunks(builder: ResponseBuilder, reader: ToolStream, text: str, delta: Delta) -> list[dict[str, Any]]:
+    """One model delta of a chat choice with tools -> its chunks; the finish chunk says tool_calls when the choice
+    made calls."""
+    parts = reader.feed(text)
+    if not delta.finish_reason:
+        return [builder.delta_chunk(p, index=delta.index) for p in parts]
+    parts += reader.finish()
+    reason = finish_reason(openai_finish_reason(delta.finish_reason), range(reader.num_calls))
+    return [builder.delta_chunk(p, index=delta.index) for p in parts] + \
+        [builder.delta_chunk({}, reason, delta.index)]
+
+
+def _whole_choice(req: GenerationRequest, c: "Accumulated") -> tuple[str | None, str, list[dict[str, Any]]]:
+    reason = openai_finish_reason(c.finish_reason)
+    if not (req.is_chat and req.tools.active):
+        return c.text, reason, []
+    content, calls = parse_output(req.tools, c.text)
+    return content, finish_reason(reason, calls), calls
+
+
 async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]) -> Response:
     try:
         body = await request.json()
@@ -135,7 +161,8 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
     info = await backend.model(req.model)
     if req.is_chat:
         templates: ChatTemplates = request.app.state.templates
-        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages)
+        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages,
+                                              req.tools, req.chat_template_kwargs)
     builder = ResponseBuilder(req)
     deltas = backend.generate(info, req.prompt, req.sampling, builder.id)
     try:
@@ -154,8 +181,7 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
             return choices
 
         choices = await _unless_disconnected(request, collect())
-        return JSONResponse(builder.full([(c.text, openai_finish_reason(c.finish_reason)) for c in choices.all],
-                                         choices.usage()))
+        return JSONResponse(builder.full([_whole_choice(req, c) for c in choices.all], choices.usage()))
     except ClientGone:
         log.info("client left %s before its answer; request cancelled", builder.id)
         return Response(status_code=499)

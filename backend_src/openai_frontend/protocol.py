@@ -5,6 +5,7 @@ whose messages already name the field, the value and the allowed range, so there
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from inflight.fields import BOOL, FIELDS, FLOAT, INT
 
 from .errors import bad_request
+from .tools import ToolChoice, constraint, parse_tools
 
 # OpenAI body key -> (contract name, the JSON type it must have), from the request schema's `openai` column.
 # The vLLM extensions (top_k, min_p, ...) are there too: clients send them through extra_body.
@@ -28,7 +30,10 @@ class GenerationRequest:
     model: str
     is_chat: bool
     prompt: str = ""  # completions: the prompt; chat: filled in by rendering `messages`
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolChoice = field(default_factory=ToolChoice)
+    # chat: extra variables for the model's chat template (vLLM's name), e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
@@ -105,6 +110,10 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
         if body.get(name) is not None:
             req.sampling[contract] = _typed(name, body[name], kind)
 
+    structured = _structured_outputs(body)
+    if structured is not None:
+        req.sampling["structured_outputs"] = structured
+
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -114,6 +123,40 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
         if stop:
             req.sampling["stop_words"] = stop
     return req
+
+
+# vLLM's OpenAI server's older extra keys, each one kind of structured_outputs.
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_outputs(body: dict) -> dict | None:
+    """response_format (OpenAI), or vLLM's structured_outputs / guided_* extras -> one structured_outputs object
+    for the model, which checks it (a bad schema comes back as a 400 naming it). Two at once are refused."""
+    found: list[tuple[str, dict]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request(f"response_format.json_schema={spec!r:.80} is invalid: allowed an object with a "
+                                  "'schema' object (and 'name', 'strict')", "response_format")
+            # strict=false is enforced all the same: the grammar is the only way this server follows a schema.
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad_request(f"response_format={fmt!r:.80} is not supported: allowed type text, json_object or "
+                              "json_schema", "response_format")
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", body["structured_outputs"]))
+    for key, kind in _GUIDED_KEYS.items():
+        if body.get(key) is not None:
+            found.append((key, {kind: body[key]}))
+    if len(found) > 1:
+        raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output: give one", found[1][0])
+    return found[0][1] if found else None
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -155,6 +198,22 @@ def _message_text(i: int, content: Any) -> str:
                       "messages")
 
 
+def _history_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, checked, arguments as JSON text (OpenAI's form)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls={calls!r:.80} must be a list", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls entry {call!r:.80} is invalid: allowed "
+                              "{'id', 'type': 'function', 'function': {'name', 'arguments'}}", "messages")
+        args = fn.get("arguments", "{}")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
+
+
 def parse_chat(body: dict) -> GenerationRequest:
     req = _common(body, is_chat=True)
     messages = body.get("messages")
@@ -164,19 +223,41 @@ def parse_chat(body: dict) -> GenerationRequest:
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] is not an object", "messages")
         role = msg.get("role")
-        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
-            raise bad_request(f"messages[{i}]: tool and function calling are not supported", "messages")
+        if role == "function" or msg.get("function_call"):
+            raise bad_request(f"messages[{i}]: the legacy function-calling messages are not supported: allowed "
+                              "tool_calls and role 'tool'", "messages")
+        if role == "tool":
+            req.messages.append({"role": "tool", "content": _message_text(i, msg.get("content")),
+                                 "tool_call_id": msg.get("tool_call_id")})
+            continue
         if role not in _CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role={role!r} is not one of {sorted(_CHAT_ROLES)}", "messages")
-        req.messages.append({"role": _CHAT_ROLES[role], "content": _message_text(i, msg.get("content"))})
-    for name in ("tools", "functions"):
-        _refuse_if_set(body, name, allowed=([],), why="is not supported: tool calling is not available")
-    _refuse_if_set(body, "tool_choice", allowed=("none",), why="is not supported: tool calling is not available")
-    _refuse_if_set(body, "function_call", allowed=("none",), why="is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request(f"response_format={fmt!r:.80} is not supported: allowed only {{'type': 'text'}}",
-                          "response_format")
+            raise bad_request(f"messages[{i}].role={role!r} is not one of {sorted(_CHAT_ROLES) + ['tool']}",
+                              "messages")
+        content = msg.get("content")
+        entry: dict[str, Any] = {"role": _CHAT_ROLES[role],
+                                 "content": "" if content is None and msg.get("tool_calls") else
+                                 _message_text(i, content)}
+        if role == "assistant" and msg.get("tool_calls"):
+            entry["tool_calls"] = _history_calls(i, msg["tool_calls"])
+        req.messages.append(entry)
+    _refuse_if_set(body, "functions", allowed=([],), why="is not supported: use tools")
+    _refuse_if_set(body, "function_call", allowed=("none",), why="is not supported: use tool_choice")
+    req.tools = parse_tools(body)
+    forced = constraint(req.tools)
+    if forced is not None:
+        if "structured_outputs" in req.sampling:
+            raise bad_request(f"tool_choice={body.get('tool_choice')!r:.80} and response_format both constrain the "
+                              "output: give one", "tool_choice")
+        req.sampling["structured_outputs"] = forced
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r:.80} must be an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(set(kwargs or {}) & {"conversation", "messages", "tokenize", "add_generation_prompt", "tools"})
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved}: the frontend sets them",
+                          "chat_template_kwargs")
+    req.chat_template_kwargs = dict(kwargs or {})
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")

@@ -51,17 +51,24 @@ class ResponseBuilder:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._stream_head(), "choices": [choice]}
 
+    def delta_chunk(self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+        """A chat chunk with any delta (content, tool_calls)."""
+        return {**self._stream_head(), "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
     def usage_chunk(self, usage_block: dict[str, int]) -> dict[str, Any]:
         return {**self._stream_head(), "choices": [], "usage": usage_block}
 
-    def full(self, choices: list[tuple[str, str]], usage_block: dict[str, int]) -> dict[str, Any]:
-        """choices: (text, finish reason) per sample, in index order."""
+    def full(self, choices: list[tuple[str | None, str, list[dict[str, Any]]]],
+             usage_block: dict[str, int]) -> dict[str, Any]:
+        """choices: (text, finish reason, tool calls) per sample, in index order."""
         if self.req.is_chat:
-            body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+            body = [{"index": i, "message": {"role": "assistant", "content": text,
+                                             **({"tool_calls": calls} if calls else {})},
+                     "logprobs": None, "finish_reason": reason} for i, (text, reason, calls) in enumerate(choices)]
             head = self._head("chat.completion")
         else:
             body = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                    for i, (text, reason) in enumerate(choices)]
+                    for i, (text, reason, _) in enumerate(choices)]
             head = self._head("text_completion")
         return {**head, "choices": body, "usage": usage_block}

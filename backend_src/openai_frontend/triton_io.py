@@ -64,6 +64,8 @@ def find_tokenizer_dir(parameters: dict[str, str], search_roots: list[Path]) -> 
         if not value or len(value) > 4096:
             continue
         candidates = [Path(value)] if Path(value).is_absolute() else [root / value for root in search_roots]
+        # A GGUF model's tokenizer files sit beside it (inflight/tokenizer.py).
+        candidates = [p.parent if p.suffix == ".gguf" else p for p in candidates]
         for path in candidates:
             if any((path / f).is_file() for f in _TOKENIZER_FILES):
                 return str(path.resolve())

@@ -17,7 +17,7 @@ import numpy as np
 from inflight.sequence import FinishReason, RequestOutput, TokenLogprobs
 
 from .contract import ParsedRequest
-from .errors import CANCELLED, INTERNAL, RequestError
+from .errors import CANCELLED, INTERNAL, INVALID_ARG, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,9 @@ class Responder:
         """One engine step's outputs for this request (one per sample that advanced); sends nothing."""
         for out in outs:
             if out.finish_reason == FinishReason.ERROR:
-                live.error = live.error or RequestError(out.error or "engine error", INTERNAL)
+                # refused: the engine found the input bad after queueing it (a grammar that does not compile).
+                live.error = live.error or RequestError(out.error or "engine error",
+                                                        INVALID_ARG if out.refused else INTERNAL)
                 continue
             if out.finish_reason == FinishReason.CANCELLED:
                 why = live.abort_reason or ("cancelled: the server is shutting down" if shutting_down else "cancelled")

@@ -47,6 +47,8 @@ HISTOGRAMS = (
     Export("vllm:request_params_n", "request_params_n", "Histogram of the n request parameter."),
     Export("inflight:batch_size", "batch_size",
            "Histogram of the batch sizes the dynamic batcher hands execute() (dynamic-batcher arm only)."),
+    Export("inflight:grammar_compile_seconds", "grammar_compile_seconds",
+           "Histogram of structured-output grammar compile time in seconds (in the compile worker)."),
 )
 COUNTERS = (
     Export("vllm:prompt_tokens_total", "prompt_tokens_total", "Number of prefill tokens processed."),
@@ -56,6 +58,14 @@ COUNTERS = (
     Export("vllm:prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     Export("inflight:queue_full_refusals_total", "queue_full_refusals_total",
            "Requests refused at once (UNAVAILABLE) because max_queue_size requests were already waiting."),
+    Export("inflight:grammar_cache_hits_total", "grammar_cache_hits",
+           "Structured-output requests whose grammar was in the compiled-grammar cache (no compile)."),
+    Export("inflight:grammar_cache_misses_total", "grammar_cache_misses",
+           "Structured-output requests that started a grammar compile."),
+    Export("inflight:grammar_compile_errors_total", "grammar_compile_errors",
+           "Grammar compiles the library refused (each such request got INVALID_ARG)."),
+    Export("inflight:grammar_compile_timeouts_total", "grammar_compile_timeouts",
+           "Requests refused because their grammar compile ran past grammar_compile_timeout_ms."),
     Export("vllm:spec_decode_num_drafts_total", "spec_decode_num_drafts",
            "Speculative decoding: drafts verified (one per request and step that had draft tokens)."),
     Export("vllm:spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens",

@@ -62,6 +62,9 @@ class GlueParameters:
     max_stop_words: int = setting(_LIMITS.max_stop_words, _CAP, "Stop words, and bad words, per request at most.")
     max_word_bytes: int = setting(_LIMITS.max_word_bytes, _CAP, "Bytes of one stop or bad word at most.")
     max_stop_token_ids: int = setting(_LIMITS.max_stop_token_ids, _CAP, "Stop token ids per request at most.")
+    max_grammar_bytes: int = setting(_LIMITS.max_grammar_bytes, _CAP, (
+        "Bytes of one structured-output constraint at most: the structured_outputs object as JSON, or "
+        "guided_decoding_guide (compiles also stop at the engine's grammar_compile_timeout_ms)."))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -83,14 +86,15 @@ def flatten_triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]
 
 def resolve_model_path(raw: str, root: Path) -> Path:
     """Absolute paths stay; relative ones are taken against `root`, the model repository (the folder given to
-    --model-repository), so a repository and its models can move together. The folder must exist: a typo
-    should fail the load, not the first request."""
+    --model-repository), so a repository and its models can move together. The folder (or GGUF file) must
+    exist: a typo should fail the load, not the first request."""
     path = Path(os.path.expandvars(os.path.expanduser(raw.strip())))
     if not path.is_absolute():
         path = root / path
-    if not (path / "config.json").is_file():
-        raise ValueError(f"parameter model={raw!r} resolves to {path}, which holds no config.json: "
-                         f"allowed a Hugging Face model folder (absolute, or relative to the model repository {root})")
+    if not ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
+        raise ValueError(f"parameter model={raw!r} resolves to {path}, which is neither a folder with a config.json "
+                         f"nor a .gguf file: allowed a Hugging Face model folder or a GGUF file (absolute, or "
+                         f"relative to the model repository {root})")
     return path
 
 

@@ -46,15 +46,16 @@ from inflight.step_timer import StepTimer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tiny-llama carries SmolLM2's tokenizer (vocab 49152); its weights never run here.
 DEFAULT_MODEL = os.path.join(ROOT, "models", "tiny-llama")
-PHASES = ("schedule", "prepare", "forward", "advance", "overlap", "sample", "detokenize", "other")
+PHASES = ("schedule", "prepare", "forward", "advance", "overlap", "mask", "sample", "detokenize", "other")
 # Host work that runs while the device is busy, so the step does not wait for it. On CUDA a step launches the
 # forward (a graph replay) and returns without a sync; the scheduler's bookkeeping (advance), the text of last
-# step's tokens (overlap: LLMEngine._render_deferred) and the sampler's host work (building its inputs, one
-# asynchronous copy, launching its kernels) then run while the forward does, until the sampler reads its tokens.
-# That holds while nothing before that read syncs (tests/unit/test_sampler.py checks the sampler's one copy;
-# perf/gpu/bench.py's sync check counts syncs on the GPU) and the work is shorter than the forward (~10 ms at
-# the target). Everything else, before the launch and after the read, the device waits for.
-OVERLAPPED: tuple[str, ...] = ("advance", "overlap", "sample")
+# step's tokens (overlap: LLMEngine._render_deferred), the structured-output bitmask (mask: filled on the host,
+# copied and applied by a kernel; perf/bench/structured.py measures it) and the sampler's host work (building
+# its inputs, one asynchronous copy, launching its kernels) then run while the forward does, until the sampler
+# reads its tokens. That holds while nothing before that read syncs (tests/unit/test_sampler.py checks the
+# sampler's one copy; perf/gpu/bench.py's sync check counts syncs on the GPU) and the work is shorter than the
+# forward (~10 ms at the target). Everything else, before the launch and after the read, the device waits for.
+OVERLAPPED: tuple[str, ...] = ("advance", "overlap", "mask", "sample")
 # The engine thread's CPU time, not wall time: on a shared machine the thread is often descheduled, and wall
 # time would charge that to whatever phase was running. All timed work here runs on that one thread.
 clock = time.thread_time

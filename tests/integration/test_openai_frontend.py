@@ -234,9 +234,10 @@ def test_bad_completion_parameters_are_400(client, kwargs, needle):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}},  # a function not among the tools
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "xml"}},
     {"temperature": -1},
 ])
 def test_bad_chat_parameters_are_400(client, kwargs):

@@ -58,3 +58,19 @@ def test_bf16_default_and_kv_sized_from_memory_fraction():
     assert runner.num_blocks * runner.bytes_per_block() <= fraction * total
     outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-gemma3"])
+def test_other_families_on_cuda_equal_hf_past_the_window(family):
+    """Qwen3 and Gemma 3 (window 24) through the Triton kernels and CUDA graphs, fp32: greedy equals HF."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from engine_helpers import hf_greedy
+
+    path = os.path.join(os.path.dirname(TINY), family)
+    llm = LLM(path, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=8,
+              max_model_len=256, max_num_batched_tokens=32)
+    prompts = [list(range(100, 100 + n)) for n in (3, 30, 70)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, p, 20)

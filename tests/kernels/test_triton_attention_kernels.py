@@ -96,7 +96,7 @@ def make_batch(specs: list[tuple[int, int]], q_heads: int, kv_heads: int, shape:
                  meta)
 
 
-def expected(batch: Batch, scale: float) -> torch.Tensor:
+def expected(batch: Batch, scale: float, window: int = 0) -> torch.Tensor:
     """The reference in fp32 on the same cache with NaN garbage zeroed.
 
     Zeroing is needed because the reference's decode path attends over whole padded blocks and relies on
@@ -104,14 +104,14 @@ def expected(batch: Batch, scale: float) -> torch.Tensor:
     """
     k = batch.k_cache.float().nan_to_num()
     v = batch.v_cache.float().nan_to_num()
-    return ref.paged_attention(batch.query.float(), k, v, batch.meta, scale)
+    return ref.paged_attention(batch.query.float(), k, v, batch.meta, scale, window=window)
 
 
-def check_attention(out: torch.Tensor, batch: Batch, scale: float) -> None:
+def check_attention(out: torch.Tensor, batch: Batch, scale: float, window: int = 0) -> None:
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     assert not out.isnan().any(), "NaN from unwritten cache slots reached the output"
     tol = TOL[batch.query.dtype]
-    torch.testing.assert_close(out.float(), expected(batch, scale), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), expected(batch, scale, window), atol=tol, rtol=tol)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,6 +203,52 @@ def test_decode_only(tk, shape, device, q_heads, kv_heads, num_splits):
     check_attention(out, batch, 0.25)
 
 
+def poison_blocks_before_window(batch: Batch, window: int, align: int) -> None:
+    """NaN into every block that lies wholly before each sequence's first query's window start, rounded down to
+    `align` positions: blocks the kernel claims never to read (a read would put NaN in the output)."""
+    bs = batch.k_cache.shape[1]
+    for row, (q_len, s_len) in enumerate(zip(batch.meta.query_lens, batch.meta.seq_lens_host)):
+        lo = max(0, s_len - q_len - window + 1) // align * align
+        for j in range(lo // bs):
+            block = int(batch.meta.block_tables[row, j])
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["unified", "split_kv"])
+def test_sliding_window_matches_reference_and_reads_no_block_before_it(tk, shape, device, kind, num_splits):
+    """A window of a few blocks (not a multiple of the block size) over contexts far longer: the kernels mask
+    as the reference does (key > query - window) and skip the blocks before the window."""
+    window = 3 * shape.block_size - 5
+    specs = shape.mixed if kind == "mixed" else shape.decode
+    batch = make_batch(specs, 8, 2, shape, torch.float32, device, seed=31)
+    ref.store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    want = expected(batch, 0.25, window)
+    tile_n = 16
+    poison_blocks_before_window(batch, window, max(tile_n, shape.block_size))
+    out = tk.triton_paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25,
+                                    tile_n=tile_n, num_splits=num_splits, window=window)
+    assert not out.isnan().any(), "a block before the window was read"
+    torch.testing.assert_close(out.float(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    full = expected(batch, 0.25)
+    assert not torch.allclose(full, want), "the window changed nothing: the test would not see it ignored"
+
+
+def test_reference_window_reads_no_block_before_it(shape):
+    """The torch reference (CPU path) gathers from the first block of each window only."""
+    window = 2 * shape.block_size + 3
+    batch = make_batch(shape.mixed + [(1, 5 * shape.block_size + 2)], 8, 2, shape, torch.float32,
+                       torch.device("cpu"), seed=32)
+    ref.store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    batch.k_cache.nan_to_num_(), batch.v_cache.nan_to_num_()  # the reference relies on its mask for padding
+    want = ref.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window=window)
+    poison_blocks_before_window(batch, window, 1)
+    out = ref.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window=window)
+    assert not out.isnan().any(), "a block before the window was read"
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
 def test_auto_splits_only_when_the_gpu_would_idle(tk):
     cpu = torch.device("cpu")  # counts as 4 SMs: a target of 8 programs
     assert tk._auto_splits(num_seqs=64, num_kv_heads=8, max_seq_len=4096, device=cpu) == 1
@@ -218,7 +264,7 @@ def test_dispatch_follows_device_and_env(tk, shape, device, monkeypatch):
     batch = make_batch(shape.mixed, 4, 4, shape, torch.float32, device)
     calls = []
     real_attn, real_store = tk.triton_paged_attention, tk.triton_store_kv
-    monkeypatch.setattr(tk, "triton_paged_attention", lambda *a: calls.append("attn") or real_attn(*a))
+    monkeypatch.setattr(tk, "triton_paged_attention", lambda *a, **k: calls.append("attn") or real_attn(*a, **k))
     monkeypatch.setattr(tk, "triton_store_kv", lambda *a: calls.append("store") or real_store(*a))
 
     attention.store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping,

@@ -22,7 +22,7 @@ def test_gpu_bench_smoke_runs_and_reports(tmp_path):
     run = report["throughput"]
     assert run["output_tokens"] == run["expected_output_tokens"] > 0 and not run["truncated_at_time_limit"]
     assert run["output_tokens_per_s"] > 0
-    phases = {"schedule", "prepare", "forward", "overlap", "sample", "detokenize", "other"}
+    phases = {"schedule", "prepare", "forward", "overlap", "mask", "sample", "detokenize", "other"}
     for view in ("host_view", "device_view"):  # the breakdown is a separate run, timed both ways
         part = report["breakdown"][view]
         assert part["output_tokens"] > 0 and part["decode_steps"] > 0, view

@@ -2,6 +2,9 @@
 same hidden states within float32 rounding, the same K/V written to the same slots and nothing else, greedy
 tokens unchanged through the engine, and a clean fallback where it does not apply or cannot be built."""
 import logging
+import os
+import subprocess
+import sys
 import shutil
 
 import pytest
@@ -283,3 +286,20 @@ def test_dense_copies_are_released_where_nothing_reads_them(monkeypatch, blas):
     monkeypatch.setattr("inflight.cpu_defaults.cpu_vendor", lambda: "GenuineIntel" if blas else "AuthenticAMD")
     down = LLM(TINY, num_kv_blocks=16, cpu_native_decode=False).engine.runner.model.layers[0].mlp.down_proj
     assert down.packed_weight is not None and (down.weight.numel() > 0) == blas
+
+
+def test_a_failing_compiler_with_utf8_messages_is_reported_in_an_ascii_locale(tmp_path):
+    """gcc quotes with ‘’ whatever the locale, and the python-backend stub runs with an ASCII one: its messages must
+    reach the error, not break the model's load with a UnicodeDecodeError."""
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\nprintf 'warning: \\342\\200\\230x\\342\\200\\231 changes the ABI\\n' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    code = ("import locale; assert locale.getpreferredencoding(False).lower() in ('ascii', 'ansi_x3.4-1968'); "
+            "import sys; from inflight.model import native_decode\n"
+            "try:\n    native_decode.build_library()\n"
+            "except RuntimeError as e:\n    sys.stdout.buffer.write(str(e).encode())")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "CC": str(compiler), NATIVE_CACHE_ENV: str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    assert "‘x’ changes the ABI" in done.stdout.decode()

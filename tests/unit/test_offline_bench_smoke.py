@@ -27,7 +27,7 @@ def test_offline_bench_runs_both_sides_and_reports(tmp_path):
     assert engine["tokens"] == hf["tokens"] == 2 * (1 + 2 + 10 + 40)
     assert engine["steps"] > 0 and result["throughput_ratio"] > 0 and result["single_stream_ratio"] > 0
     phases = engine["wall_ms_per_step_by_phase"]
-    assert set(phases) == {"schedule", "prepare", "forward", "overlap", "sample", "detokenize", "other"}
+    assert set(phases) == {"schedule", "prepare", "forward", "overlap", "mask", "sample", "detokenize", "other"}
     assert phases["forward"] > 0
     assert result["workload"]["engine_cpu_gemm"] in ("onednn", "blas")
     assert "| mixed workload tokens/s |" in proc.stdout

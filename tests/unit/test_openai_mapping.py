@@ -96,14 +96,20 @@ def test_chat_messages_text_parts_joined_and_developer_is_system():
 
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"tool_choice": "auto"},
-    {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]},
+    {"tool_choice": "auto"},  # no tools to choose from
     {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
     {"messages": [{"role": "wizard", "content": "x"}]},
     {"messages": []},
-    {"response_format": {"type": "json_object"}},
     {"logprobs": True},
+    {"functions": [{"name": "f"}]},
+    {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+     "response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
 ])
 def test_chat_unsupported_content_is_a_clear_400(body):
     full = {"model": "m", "messages": [{"role": "user", "content": "x"}], **body}
@@ -245,10 +251,10 @@ def test_completion_bodies_and_no_usage_key_without_include_usage():
     b = ResponseBuilder(req)
     c = b.chunk("t")
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "t" and "usage" not in c
-    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full([("out", "stop")], {"x": 1})
+    full = ResponseBuilder(parse_completion({"model": "m", "prompt": "p"})).full([("out", "stop", [])], {"x": 1})
     assert full["choices"][0] == {"index": 0, "text": "out", "logprobs": None, "finish_reason": "stop"}
     chat = ResponseBuilder(parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
-    body = chat.full([("hi", "stop"), ("yo", "length")], {})
+    body = chat.full([("hi", "stop", []), ("yo", "length", [])], {})
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["choices"][1]["message"]["content"] == "yo"
     assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
                                                                                      "content": "hi"}

@@ -41,11 +41,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, backend: str = "auto") -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context (see reference.py)."""
+                    meta: AttentionMetadata, scale: float, backend: str = "auto", window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context (see reference.py); window > 0:
+    each query sees only the last `window` positions (itself included)."""
     if _use_triton(query, backend):
-        return _triton().triton_paged_attention(query, k_cache, v_cache, meta, scale)
-    return _reference.paged_attention(query, k_cache, v_cache, meta, scale)
+        return _triton().triton_paged_attention(query, k_cache, v_cache, meta, scale, window=window)
+    return _reference.paged_attention(query, k_cache, v_cache, meta, scale, window=window)
 
 
 __all__ = ["AttentionMetadata", "paged_attention", "store_kv"]

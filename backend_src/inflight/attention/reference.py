@@ -36,45 +36,57 @@ def _valid_slots(slot_mapping: torch.Tensor, plan: dict | None) -> torch.Tensor 
     return valid
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, kv_heads, head_dim]."""
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, first_block: int, length: int) -> torch.Tensor:
+    """Cached tokens first_block * block_size .. length - 1 of one sequence: [tokens, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    blocks = cache.index_select(0, block_table[first_block:num_blocks].long())
+    return blocks.reshape((num_blocks - first_block) * block_size, *cache.shape[2:])[:length - first_block * block_size]
+
+
+def first_block_in_window(first_query_pos: int, window: int, block_size: int) -> int:
+    """The first block that holds a key a query at first_query_pos (or later) can see; 0 without a window."""
+    return max(0, first_query_pos - window + 1) // block_size if window else 0
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, skip_decodes: bool = False) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole cached context.
+                    meta: AttentionMetadata, scale: float, skip_decodes: bool = False, window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context.
 
     query: [tokens, q_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]. The queries of
-    sequence i are its last query_lens[i] positions, so query j sees keys 0 .. seq_len - query_len + j.
-    skip_decodes leaves the rows of single-token queries unwritten (attention/cpu.py fills them its own way).
+    sequence i are its last query_lens[i] positions, so query j sees keys 0 .. seq_len - query_len + j; with a
+    sliding window only the last `window` of those (HF's rule: key > query - window), and blocks wholly before
+    every query's window are never read. skip_decodes leaves the rows of single-token queries unwritten
+    (attention/cpu.py fills them its own way).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
     starts, decode_rows = step_layout(meta)
     if decode_rows and not skip_decodes:
-        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, group, out)
+        _decode_batch(query, k_cache, v_cache, meta, scale, decode_rows, starts, group, out, window)
 
     for i, q_len in enumerate(meta.query_lens):
         if q_len == 1:
             continue
         ctx_len = meta.seq_lens_host[i]
         s, e = starts[i], starts[i + 1]
-        k = _gather_context(k_cache, meta.block_tables[i], ctx_len)
-        v = _gather_context(v_cache, meta.block_tables[i], ctx_len)
+        first = first_block_in_window(ctx_len - q_len, window, block_size)
+        k = _gather_context(k_cache, meta.block_tables[i], first, ctx_len)
+        v = _gather_context(v_cache, meta.block_tables[i], first, ctx_len)
         q = query[s:e].transpose(0, 1)  # [heads, q_len, d]
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         # enable_gqa lets SDPA broadcast each K/V head over its query group instead of copying it.
-        if ctx_len == q_len:
+        if ctx_len == q_len and not window:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-            mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)[:, None]
+            k_pos = torch.arange(first * block_size, ctx_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= k_pos > q_pos - window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[s:e] = o.transpose(0, 1)
     return out
@@ -91,29 +103,43 @@ def step_layout(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
     return layout
 
 
-def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], block_size: int, device):
-    """Index tensors for the decode rows, built on the first layer and reused by the others."""
-    plan = meta.reference_plan.get("decode")
+def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], block_size: int, device,
+                 window: int = 0):
+    """Index tensors for the decode rows, built on the first layer (of each window size) and reused by the others.
+    With a window each row reads from the first block its window touches: the gathered width is the longest
+    window's blocks, not the longest context's."""
+    key = ("decode", window)
+    plan = meta.reference_plan.get(key)
     if plan is not None:
         return plan
     lens = [meta.seq_lens_host[i] for i in rows]
-    max_blocks = (max(lens) + block_size - 1) // block_size
+    firsts = [first_block_in_window(n - 1, window, block_size) for n in lens]
+    spans = [(n + block_size - 1) // block_size - f for n, f in zip(lens, firsts)]
+    max_blocks = max(spans)
     width = max_blocks * block_size
     idx = torch.tensor(rows, device=device)
-    tables = meta.block_tables.index_select(0, idx)[:, :max_blocks].long().reshape(-1)  # [n * max_blocks]
+    # Row r's table entries first_r .. first_r + max_blocks - 1 (clamped to the table: past a row's own span
+    # they are padding, masked below).
+    cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(max_blocks, device=device)[None, :]
+    cols = cols.clamp_(max=meta.block_tables.shape[1] - 1)
+    tables = meta.block_tables.index_select(0, idx).long().gather(1, cols).reshape(-1)  # [n * max_blocks]
     token_idx = torch.tensor([starts[i] for i in rows], device=device)
-    lens_t = torch.tensor(lens, device=device)
-    valid = torch.arange(width, device=device)[None, :] < lens_t[:, None]  # [n, width]
+    pos = torch.tensor(firsts, device=device)[:, None] * block_size + torch.arange(width, device=device)[None, :]
+    lens_t = torch.tensor(lens, device=device)[:, None]
+    valid = pos < lens_t
+    if window:
+        valid &= pos > lens_t - 1 - window
     # Flat positions of the padding, so only those are zeroed (most rows pad less than one block).
     pad_idx = (~valid).reshape(-1).nonzero().squeeze(1)
     plan = (tables, token_idx, valid[:, None, None, :], pad_idx, width)
-    meta.reference_plan["decode"] = plan
+    meta.reference_plan[key] = plan
     return plan
 
 
-def _decode_batch(query, k_cache, v_cache, meta, scale, rows, starts, group, out) -> None:
+def _decode_batch(query, k_cache, v_cache, meta, scale, rows, starts, group, out, window: int = 0) -> None:
     """All single-token queries at once: contexts padded to the longest, padding masked out."""
-    tables, token_idx, mask, pad_idx, width = _decode_plan(meta, rows, starts, k_cache.shape[1], query.device)
+    tables, token_idx, mask, pad_idx, width = _decode_plan(meta, rows, starts, k_cache.shape[1], query.device,
+                                                           window)
     n = len(rows)
     # index_select on the flat table: several times faster on CPU than advanced indexing k_cache[tables].
     k = k_cache.index_select(0, tables).reshape(n, width, *k_cache.shape[2:])  # [n, L, kv_heads, d]

@@ -20,6 +20,7 @@ LOG2E = 1.4426950408889634
 MIN_TILE = 16  # tl.dot on tensor cores needs every dimension >= 16
 MAX_SPLITS = 32
 MIN_SPLIT_LEN = 256  # a split shorter than this costs more in the reduce than it saves
+NO_WINDOW = 1 << 30  # the window argument of full attention: longer than any context
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def _attend_range(
     k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    q_pos, kv_lo, kv_hi, qk_scale, block_size,
+    q_pos, kv_lo, kv_hi, window, qk_scale, block_size,
     offs_d, d_mask,
     TILE_N: tl.constexpr, MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -74,7 +75,8 @@ def _attend_range(
 
     MASKED=False is the fast path: the caller guarantees every key in the range is written and visible
     to every row, and that the range is a whole number of tiles. MASKED=True masks keys >= kv_hi (their
-    slots may hold garbage or NaN, so they are never loaded) and keys after each row's position q_pos.
+    slots may hold garbage or NaN, so they are never loaded), keys after each row's position q_pos and keys
+    at or before q_pos - window (a sliding window; a huge window for full attention).
     """
     offs_n = tl.arange(0, TILE_N)
     kv_head = kv_head.to(tl.int64)
@@ -102,7 +104,7 @@ def _attend_range(
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = s * qk_scale  # log2 domain: exp2 below
         if MASKED:
-            visible = n_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            visible = n_valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -134,7 +136,7 @@ def _paged_attention_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bt,
-    qk_scale, block_size,
+    qk_scale, block_size, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -171,20 +173,29 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Keys before the tile's first query position are visible to every row: whole tiles of them go
-    # through the unmasked loop; the rest (the causal diagonal) through the masked one.
+    # Keys between the last row's window start and the tile's first query position are visible to every
+    # row: whole tiles of them go through the unmasked loop; the rest (the window's ragged start, the causal
+    # diagonal) through the masked one. Keys before the first row's window are never read.
     tile_last = tl.minimum(tile_first + BLOCK_Q, q_len)  # exclusive
     kv_hi = ctx_off + tile_last
     kv_full = ((ctx_off + tile_first) // TILE_N) * TILE_N
+    lo_any = (tl.maximum(ctx_off + tile_first - window + 1, 0) // TILE_N) * TILE_N
+    lo_all = tl.cdiv(tl.maximum(kv_hi - window, 0), TILE_N) * TILE_N
+    kv_open = tl.minimum(tl.maximum(lo_all, lo_any), kv_full)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        q_pos, 0, kv_full, qk_scale, block_size, offs_d, d_mask,
+        q_pos, lo_any, kv_open, window, qk_scale, block_size, offs_d, d_mask,
+        TILE_N=TILE_N, MASKED=True, DOT_FP32=DOT_FP32, DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+        stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+        q_pos, kv_open, kv_full, window, qk_scale, block_size, offs_d, d_mask,
         TILE_N=TILE_N, MASKED=False, DOT_FP32=DOT_FP32, DOT_PRECISION=DOT_PRECISION)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        q_pos, kv_full, kv_hi, qk_scale, block_size, offs_d, d_mask,
+        q_pos, kv_full, kv_hi, window, qk_scale, block_size, offs_d, d_mask,
         TILE_N=TILE_N, MASKED=True, DOT_FP32=DOT_FP32, DOT_PRECISION=DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only; every real row sees key 0
@@ -206,7 +217,7 @@ def _split_decode_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bt,
-    qk_scale, block_size, split_len,
+    qk_scale, block_size, split_len, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -231,20 +242,21 @@ def _split_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # split_len is a multiple of TILE_N, so every split but a sequence's last is whole tiles.
-    kv_lo = split * split_len
+    # Splits cover the keys the query sees (the last `window`, or all); split_len is a multiple of TILE_N, so
+    # every split but a sequence's last is whole tiles.
+    kv_lo = tl.maximum(seq_len - window, 0) + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)  # may be <= kv_lo: an empty split for a short sequence
     kv_full = tl.maximum(kv_lo, kv_lo + ((kv_hi - kv_lo) // TILE_N) * TILE_N)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        q_pos, kv_lo, kv_full, qk_scale, block_size, offs_d, d_mask,
+        q_pos, kv_lo, kv_full, window, qk_scale, block_size, offs_d, d_mask,
         TILE_N=TILE_N, MASKED=False, DOT_FP32=DOT_FP32, DOT_PRECISION=DOT_PRECISION)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        q_pos, kv_full, kv_hi, qk_scale, block_size, offs_d, d_mask,
+        q_pos, kv_full, kv_hi, window, qk_scale, block_size, offs_d, d_mask,
         TILE_N=TILE_N, MASKED=True, DOT_FP32=DOT_FP32, DOT_PRECISION=DOT_PRECISION)
 
     # An empty split stores o = 0 and lse = -inf, so the reduce gives it weight 0 without 0 * NaN.
@@ -273,7 +285,7 @@ def _split_reduce_kernel(
     s_mask = offs_s < num_splits
     part = seq.to(tl.int64) * stride_ps + head.to(tl.int64) * stride_ph + offs_s * stride_pk
     lse = tl.load(lse_part_ptr + part, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)  # finite: split 0 always holds key 0
+    lse_max = tl.max(lse, 0)  # finite: split 0 always holds the first key the query sees
     w = tl.exp2(lse - lse_max)
     o = tl.load(o_part_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
@@ -324,8 +336,10 @@ def _auto_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: tor
 
 def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, *, block_m: int | None = None,
-                           tile_n: int | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole cached context (see reference.py).
+                           tile_n: int | None = None, num_splits: int | None = None,
+                           window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context (see reference.py); window > 0:
+    each query sees only the last `window` positions, and no earlier block is read.
 
     Uses only host-side metadata (num_seqs, max_query_len, max_seq_len) for launch shapes: no device sync.
     block_m, tile_n and num_splits override the tuning (tests use them to force tiny tiles / splits);
@@ -356,13 +370,16 @@ def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     common = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n,
                   DOT_FP32=dot_fp32, DOT_PRECISION=precision)
     cache_strides = (*k_cache.stride(), *v_cache.stride())
+    # Full attention is a window longer than any context: one kernel, no branch.
+    window_arg = window if window > 0 else NO_WINDOW
 
     if meta.is_decode_only:
+        span = min(meta.max_seq_len, window) if window > 0 else meta.max_seq_len  # keys a query sees, at most
         if num_splits is None:
-            num_splits = _auto_splits(num_seqs, num_kv_heads, meta.max_seq_len, query.device)
+            num_splits = _auto_splits(num_seqs, num_kv_heads, span, query.device)
         if num_splits > 1:
-            split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), tile_n) * tile_n
-            num_splits = triton.cdiv(meta.max_seq_len, split_len)  # drop splits that would be empty for all
+            split_len = triton.cdiv(triton.cdiv(span, num_splits), tile_n) * tile_n
+            num_splits = triton.cdiv(span, split_len)  # drop splits that would be empty for all
         if num_splits > 1:
             bm = max(MIN_TILE, triton.next_power_of_2(group))
             o_part = torch.empty((num_seqs, num_q_heads, num_splits, head_dim_pad), dtype=torch.float32,
@@ -372,7 +389,7 @@ def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                 o_part, lse_part, query, k_cache, v_cache,
                 meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
                 *lse_part.stride(), *query.stride(), *cache_strides, meta.block_tables.stride(0),
-                qk_scale, block_size, split_len, BLOCK_M=bm, **common)
+                qk_scale, block_size, split_len, window_arg, BLOCK_M=bm, **common)
             _split_reduce_kernel[(num_seqs, num_q_heads)](
                 out, o_part, lse_part, meta.cu_seqlens_q, *out.stride(), *lse_part.stride(), num_splits,
                 HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
@@ -387,7 +404,7 @@ def triton_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
         *out.stride(), *query.stride(), *cache_strides, meta.block_tables.stride(0),
-        qk_scale, block_size, BLOCK_M=block_m, BLOCK_Q=block_q, **common)
+        qk_scale, block_size, window_arg, BLOCK_M=block_m, BLOCK_Q=block_q, **common)
     return out
 
 

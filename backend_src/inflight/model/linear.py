@@ -135,8 +135,19 @@ class Linear(DirectCall, nn.Linear):
         # Or, where set, this (rows [n, in], weight, bias) -> [n, out] instead of BLAS there: the native decode
         # step's own product, for the lm_head on CPUs where MKL is slow at a few rows (model/native_decode.py).
         self.few_row_product = None
+        # A weight-only quantized weight (model/quant.py) in place of `weight` (then empty), multiplied by
+        # quant_product (the native product, model/native_decode.py).
+        self.quant = None
+        self.quant_product = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            if self.quant_product is None:  # no native library: correct and slow
+                out = F.linear(rows, self.quant.dequantize(), self.bias)
+            else:
+                out = self.quant_product(rows, self.quant, self.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
@@ -164,7 +175,7 @@ def select_cpu_gemm(model: nn.Module, device: torch.device, dtype: torch.dtype,
     switches = switches or host_defaults()
     use = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and switches.cpu_gemm == "onednn"
            and onednn_packs(dtype))
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant is None]
     shared = _shared_weights(model)
     blas = switches.few_row_blas
     few_rows = switches.cpu_gemv_rows if use and dtype == torch.float32 else 0

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over one flat token batch, attention through the paged cache."""
+"""Llama-family decoder (Llama, Qwen2, Mistral) over one flat token batch, attention through the paged cache.
+
+The other families (qwen3.py, gemma3.py) reuse its pieces and override what differs: the layer's modules, the
+norm, the embedding. A layer with a sliding window attends to the last `window` positions only.
+"""
 from __future__ import annotations
 
 import math
@@ -12,12 +16,14 @@ from .config import ModelConfig
 from .linear import DirectCall, Linear
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, with llama3's wavelength-dependent rescaling when the config asks for it."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling.get("rope_type") == "llama3":
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Inverse RoPE frequencies; llama3's wavelength-dependent rescaling or linear position interpolation when
+    the scaling asks for it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -28,6 +34,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(is_mid, mid, scaled)
     return inv_freq
+
+
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [tokens, 1, head_dim], computed in fp32 per step from the positions as HF does, then cast."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 class RMSNorm(DirectCall):
@@ -51,7 +64,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(DirectCall):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -59,7 +72,8 @@ class Attention(DirectCall):
         # q, k and v in one matmul: one pass over the activations instead of three.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(layer)  # 0: full attention
         self.attention_backend = "auto"  # the engine's resolved attention_backend (set_attention_backend)
 
     def project_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,14 +81,18 @@ class Attention(DirectCall):
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv, so one RoPE pass rotates both (half the ops of two passes).
         qk = qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, cos, sin)
+        qk = apply_rope(self.norm_qk(qk), cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head q/k normalisation before RoPE: none in the Llama family (qwen3.py, gemma3.py add one)."""
+        return qk
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.reference_plan, self.attention_backend)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.attention_backend, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -83,17 +101,21 @@ class MLP(DirectCall):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(DirectCall):
-    def __init__(self, cfg: ModelConfig):
+    attention_cls = Attention
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = self.attention_cls(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -103,23 +125,44 @@ class DecoderLayer(DirectCall):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls = DecoderLayer
+    norm_cls = RMSNorm
+    # The fast paths written for this exact layer (CUDA fused ops, the compiled CPU layer, the native decode
+    # step) serve a family only where its layers are this class's; model_runner.py asks before choosing one.
+    has_llama_layers = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """The RoPE buffers, from the config: not in the checkpoint, so the loader calls this after loading."""
+        self.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights stay in it; a quantized embedding has none of its own)."""
+        return self.norm.weight.dtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return getattr(self.lm_head, "quant", None) is not None
+
+    @property
+    def uses_fast_paths(self) -> bool:
+        """Whether the fast paths written for llama.py's layer apply (see has_llama_layers): no window either."""
+        return self.has_llama_layers and not self.cfg.has_sliding_layers
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Computed in fp32 per step from the positions, as HF does, then cast to the model dtype.
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed_tokens.weight.dtype
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return cos_sin(self.inv_freq, positions, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

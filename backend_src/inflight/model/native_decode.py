@@ -30,16 +30,19 @@ import torch
 from ..attention import AttentionMetadata
 from ..cpu_defaults import ResolvedSwitches
 from ..env_overrides import native_cache_dir
-from .linear import host_defaults
+from .linear import Linear, host_defaults
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_step.c")
+NATIVE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+SOURCES = [os.path.join(NATIVE_DIR, name) for name in ("decode_step.c", "quant_rows.c")]
+HEADERS = [os.path.join(NATIVE_DIR, "native.h")]
 # No FMA contraction: the elementwise steps then round as torch's separate multiply and add kernels do.
 # -fopenmp: attention over long contexts splits across the OpenMP team; the library then needs libgomp.so.1,
 # which is the one torch has loaded (same soname), so both share one runtime and one pool of threads.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+# -Wno-psabi: the 8-float vector helpers are inlined into their per-ISA clones; GCC warns about an ABI they never use.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-Wno-psabi"]
 # Weights per layer, in decode_step.c's enum order.
 _PER_LAYER = 7
 
@@ -49,7 +52,8 @@ class _Model(ctypes.Structure):
                 ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "block_size", "table_width",
                  "threads")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("gemm", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p)), ("final_norm", ctypes.c_void_p)]
+        ("gemm", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p)), ("final_norm", ctypes.c_void_p),
+        ("quantized", ctypes.c_int32)]
 
 
 def _cache_dir() -> str:
@@ -63,8 +67,10 @@ def _cache_dir() -> str:
 def build_library() -> str:
     """Path of the compiled library, building it if this source and these flags were not built before.
     Raises RuntimeError naming the cause when there is no compiler or the build fails."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            source += f.read()
     compiler = os.environ.get("CC") or "cc"
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     directory = _cache_dir()
@@ -78,7 +84,9 @@ def build_library() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True, text=True)
+        # The compiler's messages are UTF-8 (its quotes), whatever the locale: the python-backend stub's is ASCII.
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, *SOURCES, "-lm"], capture_output=True,
+                              encoding="utf-8", errors="replace")
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)  # mkstemp made it owner-only: an image builds it as root for another user
@@ -114,6 +122,8 @@ def _load(library: str) -> ctypes.CDLL:
     lib.silu_mul_rows.restype = None
     lib.linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
     lib.linear_rows.restype = None
+    lib.q_linear_rows.argtypes = [ctypes.POINTER(_Model), c_int, pointer, c_int, pointer, pointer, c_int, pointer]
+    lib.q_linear_rows.restype = c_int
     return lib
 
 
@@ -127,6 +137,25 @@ def _linear_rows(lib: ctypes.CDLL, spec: _Model, rows: torch.Tensor, weight: tor
     lib.linear_rows(ctypes.byref(spec), n, rows.data_ptr(), width, weight.data_ptr(),
                     None if bias is None else bias.data_ptr(), weight.shape[0], out.data_ptr())
     return out
+
+
+def quant_product():
+    """quant_rows.c's product over a QuantizedWeight (model/quant.py), as (rows [n, in], weight, bias or None) ->
+    [n, out] at torch's current width, any number of rows. Raises RuntimeError / OSError where the library
+    cannot be built."""
+    lib, spec = _load(build_library()), _Model(gemm=0)
+
+    def product(rows: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = rows.contiguous()
+        out = rows.new_empty(rows.shape[0], weight.out_features)
+        spec.threads = torch.get_num_threads()
+        if lib.q_linear_rows(ctypes.byref(spec), rows.shape[0], rows.data_ptr(), rows.shape[1],
+                             ctypes.byref(weight.native), None if bias is None else bias.data_ptr(),
+                             weight.out_features, out.data_ptr()):
+            raise MemoryError("the quantized product could not allocate its scratch memory")
+        return out
+
+    return product
 
 
 def few_row_product():
@@ -150,26 +179,31 @@ class NativeDecodeForward:
         self.max_rows = max_rows
         self.library = library
         self.lib = _load(library)
+        quantized = model.is_quantized
         weights = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            # A quantized model's linears go as QWeight descriptors (native.h), their biases as floats.
+            qkv, o, gate_up, down = (lin.quant if quantized else lin.weight for lin in linears)
+            weights += [layer.input_layernorm.weight, qkv, attn.qkv_proj.bias, o,
+                        layer.post_attention_layernorm.weight, gate_up, down]
         weights.append(model.norm.weight)
         for w in weights:
-            if w is None or (not w.numel() and not self.max_rows):  # a released dense weight: by layer only
-                continue
+            if w is None or not isinstance(w, torch.Tensor) or (not w.numel() and not self.max_rows):
+                continue  # a QWeight, or a released dense weight (by layer only)
             if not (w.is_contiguous() and w.dtype == torch.float32 and w.numel()):
                 raise RuntimeError("the native decode step needs contiguous float32 weights")
         self._weights = weights  # held: the native side keeps their addresses
-        ptrs = [0 if w is None else w.data_ptr() for w in weights]
+        ptrs = [0 if w is None else w.data_ptr() if isinstance(w, torch.Tensor) else ctypes.addressof(w.native)
+                for w in weights]
         self._norms = [(ptrs[i], ptrs[i + 4]) for i in range(0, len(ptrs) - 1, 7)]  # (input, post-attention)
         self._weight_ptrs = (ctypes.c_void_p * len(ptrs))(*ptrs)
         self.spec = _Model(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                            head_dim=cfg.head_dim, inter=cfg.intermediate_size, layers=cfg.num_layers,
                            eps=cfg.rms_norm_eps, scale=model.layers[0].self_attn.scale, gemm=gemm,
                            weights=ctypes.cast(self._weight_ptrs, ctypes.POINTER(ctypes.c_void_p)),
-                           final_norm=ptrs[-1])
+                           final_norm=ptrs[-1], quantized=int(quantized))
         self._spec_ref = ctypes.byref(self.spec)
         self._cache_key: list = []
         self._cache_arrays = None
@@ -262,6 +296,35 @@ def _linears(model: LlamaForCausalLM):
         yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
+def native_few_row_linears(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                           switches: ResolvedSwitches | None = None) -> bool:
+    """For a model whose layers the whole native step does not cover (another family, a sliding window): its
+    linears at up to cpu_gemv_rows rows through decode_step.c's own product on their dense weights, where Linear
+    does not take BLAS there (not Intel). The lm_head is most of a small model's bytes (Gemma 3 270M: 671 of
+    1,070 MB), and oneDNN streams it at ~18 GB/s where the product reaches ~25. Returns whether it did."""
+    switches = switches or host_defaults()
+    rows = switches.cpu_gemv_rows
+    if device.type != "cpu" or dtype != torch.float32 or not switches.cpu_native_decode or switches.few_row_blas \
+            or not rows or sys.platform != "linux":
+        return False
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None
+               and m.weight.numel() and m.weight.is_contiguous() and m.weight.dtype == torch.float32]
+    if not linears:
+        return False
+    try:
+        lib = _load(build_library())
+    except (RuntimeError, OSError) as exc:
+        log.warning("native few-row product unavailable (%s): linears stay in torch", exc)
+        return False
+    spec = _Model(gemm=0)
+    for linear in linears:
+        linear.gemv_rows = rows
+        linear.few_row_product = lambda x, weight, bias: _linear_rows(lib, spec, x, weight, bias)
+    log.info("native few-row product: %d linears up to %d rows (the rest of the forward in torch)", len(linears),
+             rows)
+    return True
+
+
 def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
                    switches: ResolvedSwitches | None = None):
     """A NativeDecodeForward for this model where the native step applies and builds, else None (and why, in
@@ -274,9 +337,16 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
         log.info("native CPU decode step: not on %s", sys.platform)
         return None
     # Whole steps need the dense weights that select_cpu_gemm keeps for the few-row path (model/linear.py), and
-    # torch's sgemm where Linear takes BLAS there too (Intel), else decode_step.c's own product.
-    max_rows = switches.cpu_gemv_rows if all(layer.weight.numel() for layer in _linears(model)) else 0
-    gemm = _torch_sgemm() if max_rows and switches.few_row_blas else 0
+    # torch's sgemm where Linear takes BLAS there too (Intel), else decode_step.c's own product. A quantized
+    # model's decode steps run whole at any size, through the quantized product its linears use anyway.
+    if model.is_quantized:
+        if not all(layer.quant is not None for layer in _linears(model)):
+            log.info("native CPU decode step: not for a model with float and quantized linears mixed")
+            return None
+        max_rows, gemm = 1 << 30, 0
+    else:
+        max_rows = switches.cpu_gemv_rows if all(layer.weight.numel() for layer in _linears(model)) else 0
+        gemm = _torch_sgemm() if max_rows and switches.few_row_blas else 0
     try:
         # Loading can fail too: a cache directory on a noexec mount, a foreign file under the library's name.
         forward = NativeDecodeForward(model, build_library(), gemm, max_rows)
@@ -285,13 +355,16 @@ def native_forward(model: LlamaForCausalLM, device: torch.device, dtype: torch.d
                     "cpu_native_decode=false (or INFLIGHT_CPU_NATIVE=0) silences this", exc)
         return None
     head = model.lm_head
-    if max_rows and not gemm and head.weight.numel() and head.weight.is_contiguous() \
+    if max_rows and not gemm and not model.is_quantized and head.weight.numel() and head.weight.is_contiguous() \
             and head.weight.dtype == torch.float32:
         # The logits of those steps too: oneDNN streams the lm_head's 113 MB (SmolLM2) at ~18 GB/s where the
         # native product reaches ~25 (6.2 vs 4.4 ms a one-row step on this project's EPYC).
         head.gemv_rows, head.few_row_product = max_rows, forward.linear
-    log.info("native CPU decode step (%s): whole steps up to %d rows (%s), layer by layer above", forward.library,
-             forward.max_rows, "BLAS" if gemm else "its own product")
+    if model.is_quantized:
+        log.info("native CPU decode step (%s): every decode step whole, quantized weights", forward.library)
+    else:
+        log.info("native CPU decode step (%s): whole steps up to %d rows (%s), layer by layer above",
+                 forward.library, forward.max_rows, "BLAS" if gemm else "its own product")
     return forward
 
 

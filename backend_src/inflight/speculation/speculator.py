@@ -68,8 +68,10 @@ class Speculator:
         drafted = False
         for seq in running:
             # Drafts follow a sampled token: not during prefill, nor before the first token (whose row also
-            # starts the request's other samples).
-            if seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens or not seq.params.speculative_decoding:
+            # starts the request's other samples). Not under a grammar: its matcher would have to follow the
+            # drafts and roll back with them.
+            if seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens or not seq.params.speculative_decoding \
+                    or seq.grammar is not None:
                 continue
             # Never past max_tokens: the step appends the accepted drafts and one token more.
             room = min(self._lengths.get(seq, k), seq.max_tokens - seq.num_output_tokens - 1)

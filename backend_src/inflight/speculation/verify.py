@@ -25,6 +25,8 @@ class DraftPosition:
     verification. A fresh object each step, so the sampler's per-sequence penalty counts start anew for it."""
 
     forked = True  # drafts exist only for sequences that decode, whose samples were all started
+    grammar_matcher = None  # requests with a grammar never draft (Speculator.propose)
+    grammar_must_end = False
 
     def __init__(self, seq: Sequence, drafts: list[int], num_accepted: int):
         self.seq = seq

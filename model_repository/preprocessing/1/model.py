@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+from inflight.tokenizer import load_tokenizer
 
 from dynamic_arm.interface import encode_request
 from inflight.fields import InvalidRequestError
@@ -26,7 +26,7 @@ class TritonPythonModel:
         self.request_defaults = options.request_defaults
         # Must be the engine's tokenizer and limits: the engine would encode a text prompt exactly like this.
         engine = options.engine
-        self.prompts = PromptEncoder(AutoTokenizer.from_pretrained(engine.model), engine.max_model_len,
+        self.prompts = PromptEncoder(load_tokenizer(engine.model), engine.max_model_len,
                                      engine.max_prompt_bytes)
         log.info("tokenizer from %s", engine.model)
 

@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+from inflight.tokenizer import load_tokenizer
 
 from inflight.fields import InvalidRequestError
 from serving.batch_rows import with_trtllm_defaults
@@ -17,14 +17,14 @@ from serving.trtllm_pipeline import column, generation_outputs
 # Its sampling inputs that `llm` takes under the same names; the rest of its inputs shape the batch.
 _PASSED = ("temperature", "runtime_top_k", "runtime_top_p", "random_seed", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "min_length", "beam_width", "return_context_logits",
-           "return_generation_logits")
+           "return_generation_logits", "guided_decoding_guide_type", "guided_decoding_guide")
 
 
 class TritonPythonModel:
     def initialize(self, args):
         model_config, options = model_options(args)
         self.input_names = [i["name"] for i in model_config["input"]]
-        self.tokenizer = AutoTokenizer.from_pretrained(options.engine.model)
+        self.tokenizer = load_tokenizer(options.engine.model)
         self.ids = itertools.count()
 
     def execute(self, requests):

@@ -1,7 +1,7 @@
 """Triton model `trtllm_postprocessing`: TensorRT-LLM's `postprocessing` interface (TOKENS_BATCH, SEQUENCE_LENGTH
 -> OUTPUT). Glue only: serving.trtllm_pipeline does the work."""
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+from inflight.tokenizer import load_tokenizer
 
 from serving.errors import INVALID_ARG, RequestError
 from serving.triton_glue import error_response, model_options, read_inputs
@@ -11,7 +11,7 @@ from serving.trtllm_pipeline import postprocess
 class TritonPythonModel:
     def initialize(self, args):
         _, options = model_options(args)
-        self.tokenizer = AutoTokenizer.from_pretrained(options.engine.model)
+        self.tokenizer = load_tokenizer(options.engine.model)
 
     def execute(self, requests):
         responses = []

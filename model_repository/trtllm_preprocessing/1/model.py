@@ -3,7 +3,7 @@ tools that drive its inner models one by one. Glue only: serving.trtllm_pipeline
 import logging
 
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+from inflight.tokenizer import load_tokenizer
 
 from serving.errors import INVALID_ARG, RequestError
 from serving.triton_glue import error_response, model_options, read_inputs
@@ -16,7 +16,7 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config, options = model_options(args)
         self.input_names = [i["name"] for i in model_config["input"]]
-        self.tokenizer = AutoTokenizer.from_pretrained(options.engine.model)
+        self.tokenizer = load_tokenizer(options.engine.model)
 
     def execute(self, requests):
         responses = []

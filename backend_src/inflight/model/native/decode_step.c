@@ -19,42 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
-                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-                         const float *beta, float *c, const int *ldc);
-
-enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
-
-typedef struct {
-    int32_t hidden, heads, kv_heads, head_dim, inter, layers, block_size, table_width;
-    int32_t threads; /* the OpenMP team for attention: torch's current width, so the governor's choice holds */
-    float eps, scale;
-    sgemm_fn gemm;                /* decode_step() only; NULL: the native few-row product */
-    const float *const *weights; /* decode_step() only: W_PER_LAYER pointers per layer; W_QKV_BIAS may be NULL */
-    const float *final_norm;     /* decode_step() only */
-} Model;
-
-/* Hot loops get one clone per instruction set and the loader picks one for this CPU (an ifunc): the library
- * stays portable (no -march=native), so an image can build it once for every x86-64 host. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PER_ISA __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PER_ISA
-#endif
+#include "native.h"
 
 static inline float dot(const float *a, const float *b, int d);
-
-/* Halving adds rather than 16 in a row: each step is one vector add. */
-static inline float reduce16(float *acc) {
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-    return acc[0];
-}
-
-/* 8 floats: one ymm register in the avx2 and avx512f clones, two xmm in the default one. v8u may sit anywhere.
- * (Wider generic vectors than the target has are split by the compiler, badly: a 16-float type ran 3x slower.) */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 /* y[r * out] += wo . x[r] for R rows at once (R a constant once inlined): each 16 weights are loaded once for all
  * R rows, and the 2R accumulator chains are independent, so at two to four rows the product stays bound by the
@@ -130,6 +97,15 @@ void linear_rows(const Model *m, int n, const float *x, int in, const float *w, 
         m->gemm("T", "N", &out, &n, &in, &one, w, &in, x, &in, &beta, y, &out);
     else
         few_rows_gemm(m, n, x, in, w, out, y);
+}
+
+/* A layer's linear in decode_step(): float weights, or QWeight descriptors where the model is quantized.
+ * Returns 0, or -1 when scratch memory could not be had. */
+static int layer_linear(const Model *m, int n, const float *x, int in, const float *w, const float *bias, int out,
+                        float *y) {
+    if (m->quantized) return q_linear_rows(m, n, x, in, (const QWeight *)w, bias, out, y);
+    linear_rows(m, n, x, in, w, bias, out, y);
+    return 0;
 }
 
 static void rms_norm(const float *x, const float *w, int d, float eps, float *out) {
@@ -344,13 +320,15 @@ int decode_step(const Model *m, int n, float *x, const float *cos, const float *
     for (int l = 0; l < m->layers && rc == 0; l++) {
         const float *const *w = m->weights + (int64_t)l * W_PER_LAYER;
         add_rms_norm_rows(n, x, l ? y : NULL, w[W_IN_NORM], hd, m->eps, h);
-        linear_rows(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
-        rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
-        linear_rows(m, n, att, q_size, w[W_O], NULL, hd, y);
+        rc = layer_linear(m, n, h, hd, w[W_QKV], w[W_QKV_BIAS], qkv_size, qkv);
+        if (rc == 0) rc = attention_rows(m, n, qkv, cos, sin, k_caches[l], v_caches[l], slots, tables, lens, att);
+        if (rc == 0) rc = layer_linear(m, n, att, q_size, w[W_O], NULL, hd, y);
+        if (rc != 0) break;
         add_rms_norm_rows(n, x, y, w[W_POST_NORM], hd, m->eps, h);
-        linear_rows(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
+        rc = layer_linear(m, n, h, hd, w[W_GATE_UP], NULL, 2 * inter, gu);
+        if (rc != 0) break;
         silu_mul_rows(n, gu, inter, act);
-        linear_rows(m, n, act, inter, w[W_DOWN], NULL, hd, y);
+        rc = layer_linear(m, n, act, inter, w[W_DOWN], NULL, hd, y);
     }
     if (rc == 0) {
         add_rms_norm_rows(n, x, y, m->final_norm, hd, m->eps, h);

@@ -1,0 +1,249 @@
+/* The product over weight-only quantized weights (int8 per channel or per 32 as GGUF's Q8_0; Q4_0 / Q4_1),
+ * stored in tiles of 16 output rows (native.h).
+ *
+ * Why tiles: a 16-output tile holds, input by input, the 16 weights that input meets, so one widening load gives
+ * two vectors of weights, and one broadcast input value feeds 16 outputs' fused multiply-adds: each output sums
+ * its inputs in order, in its own lane, with no horizontal additions. Several input rows share each widened
+ * weight vector (up to six), so at 16 rows the product is bound by arithmetic at a rate close to oneDNN's float32
+ * GEMM, and at one row (four tiles in flight) by the memory streaming a quarter (int8) or about a seventh (4-bit)
+ * of float32's bytes. Scales are applied to sums, not weights: per output for int8 per channel, per 32 inputs
+ * otherwise (4-bit: d * sum(q x) + m * sum(x)). An output's arithmetic does not depend on the other rows of its
+ * step, so a request's logits do not depend on its batch.
+ *
+ * This file alone is compiled with FMA contraction (the pragma below): the decode step's elementwise math
+ * (decode_step.c) stays uncontracted, to round as torch does.
+ */
+#pragma GCC optimize("fp-contract=fast")
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+/* x86-64-v4 (AVX-512) and v3 (AVX2 + FMA) clones, and a portable one; the loader picks per CPU. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QUANT_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QUANT_ISA
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+enum { TILE = 16, ROW_BLOCK = 64 };
+
+typedef int32_t v8si __attribute__((vector_size(32)));
+
+/* Eight bytes widened to int32 lanes, written as a vector built from eight loads: GCC turns that into one
+ * widening load (vpmovsxbd / vpmovzxbd), where __builtin_convertvector on a byte vector became one scalar
+ * conversion per element. */
+INLINE v8 int8_to_float(const int8_t *p) {
+    const v8si i = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    return __builtin_convertvector(i, v8);
+}
+
+INLINE v8si bytes(const uint8_t *p) { return (v8si){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+
+INLINE v8 to_float(v8si i) { return __builtin_convertvector(i, v8); }
+
+INLINE v8 load(const float *p) { return *(const v8u *)p; }
+
+/* A tile's 16 results of row r into y (the last tile of a matrix whose rows are not a multiple of 16: only the
+ * outputs it has). */
+INLINE void store16(float *y, int o, int out, v8 lo, v8 hi) {
+    if (o + TILE <= out) {
+        *(v8u *)(y + o) += lo;
+        *(v8u *)(y + o + 8) += hi;
+        return;
+    }
+    float lanes[TILE];
+    memcpy(lanes, &lo, sizeof(v8));
+    memcpy(lanes + 8, &hi, sizeof(v8));
+    for (int j = 0; o + j < out; j++) y[o + j] += lanes[j];
+}
+
+/* int8, one scale per output: R rows x T tiles starting at tile t0. */
+INLINE void tiles_q8_channel(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
+                             int out) {
+    v8 acc[6][4][2] = {{{{0}}}};
+    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
+    for (int i = 0; i < in; i++) {
+        v8 wv[4][2];
+        for (int t = 0; t < T; t++) {
+            const int8_t *p = q + ((int64_t)t * in + i) * TILE;
+            wv[t][0] = int8_to_float(p);
+            wv[t][1] = int8_to_float(p + 8);
+        }
+        for (int r = 0; r < R; r++) {
+            const float xv = x[(int64_t)r * in + i];
+            for (int t = 0; t < T; t++) {
+                acc[r][t][0] += wv[t][0] * xv;
+                acc[r][t][1] += wv[t][1] * xv;
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const float *s = w->scale + (int64_t)(t0 + t) * TILE;
+        for (int r = 0; r < R; r++)
+            store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0] * load(s), acc[r][t][1] * load(s + 8));
+    }
+}
+
+/* int8, a scale per `group` inputs (GGUF's Q8_0: 32): each group's sums scaled, then added. */
+INLINE void tiles_q8_group(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
+                           int out) {
+    v8 acc[3][2][2] = {{{{0}}}};
+    const int groups = in / w->group;
+    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
+    for (int g = 0; g < groups; g++) {
+        v8 part[3][2][2] = {{{{0}}}};
+        for (int i = g * w->group; i < (g + 1) * w->group; i++) {
+            v8 wv[2][2];
+            for (int t = 0; t < T; t++) {
+                const int8_t *p = q + ((int64_t)t * in + i) * TILE;
+                wv[t][0] = int8_to_float(p);
+                wv[t][1] = int8_to_float(p + 8);
+            }
+            for (int r = 0; r < R; r++) {
+                const float xv = x[(int64_t)r * in + i];
+                for (int t = 0; t < T; t++) {
+                    part[r][t][0] += wv[t][0] * xv;
+                    part[r][t][1] += wv[t][1] * xv;
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const float *s = w->scale + ((int64_t)(t0 + t) * groups + g) * TILE;
+            for (int r = 0; r < R; r++) {
+                acc[r][t][0] += load(s) * part[r][t][0];
+                acc[r][t][1] += load(s + 8) * part[r][t][1];
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
+}
+
+/* 4-bit, blocks of 32 inputs: d * sum(q x) + m * sum(x) per block, with each row's block sums of x in xsum. */
+INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWeight *w, const float *xsum, int t0,
+                     float *y, int out) {
+    v8 acc[3][2][2] = {{{{0}}}};
+    const int blocks = in / 32;
+    const uint8_t *q = (const uint8_t *)w->q + (int64_t)t0 * in * (TILE / 2);
+    for (int b = 0; b < blocks; b++) {
+        v8 part[3][2][2] = {{{{0}}}};
+        for (int i = b * 32; i < b * 32 + 32; i++) {
+            v8 wv[2][2];
+            for (int t = 0; t < T; t++) {
+                /* byte j: output j in the low nibble, output j + 8 in the high one */
+                const v8si v = bytes(q + ((int64_t)t * in + i) * (TILE / 2));
+                wv[t][0] = to_float(v & 15);
+                wv[t][1] = to_float(v >> 4);
+            }
+            for (int r = 0; r < R; r++) {
+                const float xv = x[(int64_t)r * in + i];
+                for (int t = 0; t < T; t++) {
+                    part[r][t][0] += wv[t][0] * xv;
+                    part[r][t][1] += wv[t][1] * xv;
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(t0 + t) * blocks + b) * TILE;
+            const float *d = w->scale + at, *m = w->min + at;
+            for (int r = 0; r < R; r++) {
+                const float sx = xsum[(int64_t)r * blocks + b];
+                acc[r][t][0] += load(d) * part[r][t][0] + load(m) * sx;
+                acc[r][t][1] += load(d + 8) * part[r][t][1] + load(m + 8) * sx;
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
+}
+
+/* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency); more
+ * rows take one tile at a time, as many rows as the registers hold. */
+QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, const float *xsum, int t0, int t1,
+                              int out, float *y) {
+    const int blocks = in / 32;
+    for (int t = t0; t < t1;) {
+        if (w->kind == Q_INT8 && w->group >= in) {
+            if (n == 1 && t + 4 <= t1) {
+                tiles_q8_channel(1, 4, x, in, w, t, y, out);
+                t += 4;
+                continue;
+            }
+            for (int r = 0; r < n;) {
+                const int R = n - r >= 6 ? 6 : n - r;
+                const float *xr = x + (int64_t)r * in;
+                float *yr = y + (int64_t)r * out;
+                switch (R) {
+                    case 6: tiles_q8_channel(6, 1, xr, in, w, t, yr, out); break;
+                    case 5: tiles_q8_channel(5, 1, xr, in, w, t, yr, out); break;
+                    case 4: tiles_q8_channel(4, 1, xr, in, w, t, yr, out); break;
+                    case 3: tiles_q8_channel(3, 1, xr, in, w, t, yr, out); break;
+                    case 2: tiles_q8_channel(2, 1, xr, in, w, t, yr, out); break;
+                    default: tiles_q8_channel(1, 1, xr, in, w, t, yr, out); break;
+                }
+                r += R;
+            }
+            t++;
+            continue;
+        }
+        const int pair = n == 1 && t + 2 <= t1; /* one row: two tiles in flight */
+        for (int r = 0; r < n;) {
+            const int R = pair ? 1 : n - r >= 3 ? 3 : n - r;
+            const float *xr = x + (int64_t)r * in, *xs = xsum ? xsum + (int64_t)r * blocks : NULL;
+            float *yr = y + (int64_t)r * out;
+            if (w->kind == Q_INT4) {
+                if (pair) tiles_q4(1, 2, xr, in, w, xs, t, yr, out);
+                else if (R == 3) tiles_q4(3, 1, xr, in, w, xs, t, yr, out);
+                else if (R == 2) tiles_q4(2, 1, xr, in, w, xs, t, yr, out);
+                else tiles_q4(1, 1, xr, in, w, xs, t, yr, out);
+            } else {
+                if (pair) tiles_q8_group(1, 2, xr, in, w, t, yr, out);
+                else if (R == 3) tiles_q8_group(3, 1, xr, in, w, t, yr, out);
+                else if (R == 2) tiles_q8_group(2, 1, xr, in, w, t, yr, out);
+                else tiles_q8_group(1, 1, xr, in, w, t, yr, out);
+            }
+            r += R;
+        }
+        t += pair ? 2 : 1;
+    }
+}
+
+int q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *w, const float *bias, int out,
+                  float *y) {
+    for (int r = 0; r < n; r++) {
+        if (bias)
+            memcpy(y + (int64_t)r * out, bias, sizeof(float) * out);
+        else
+            memset(y + (int64_t)r * out, 0, sizeof(float) * out);
+    }
+    /* 4-bit: each row's sums of x per block of 32, for the blocks' min terms (once per call, not per tile). */
+    float *xsum = NULL;
+    const int blocks = in / 32;
+    if (w->kind == Q_INT4) {
+        xsum = malloc(sizeof(float) * ((int64_t)n * blocks + 1));
+        if (!xsum) return -1;
+        for (int r = 0; r < n; r++)
+            for (int b = 0; b < blocks; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[(int64_t)r * in + b * 32 + j];
+                xsum[(int64_t)r * blocks + b] = s;
+            }
+    }
+    const int tiles = (out + TILE - 1) / TILE;
+#pragma omp parallel num_threads(m->threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        const int share = (tiles + team - 1) / team, t0 = t * share, t1 = t0 + share < tiles ? t0 + share : tiles;
+        /* Rows in blocks that stay in cache while the thread's tiles stream past them: one pass per block. */
+        for (int r0 = 0; r0 < n && t0 < t1; r0 += ROW_BLOCK) {
+            const int rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
+            q_tiles(rows, x + (int64_t)r0 * in, in, w, xsum ? xsum + (int64_t)r0 * blocks : NULL, t0, t1, out,
+                    y + (int64_t)r0 * out);
+        }
+    }
+    free(xsum);
+    return 0;
+}

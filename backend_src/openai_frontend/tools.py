@@ -1,0 +1,233 @@
+"""Tool calling on /v1/chat/completions: the constraint a tool choice puts on the output, how tools reach a chat
+template that does not know them, and reading tool calls back out of the model's text, whole or streamed.
+
+tool_choice "required" and a named function are enforced by a grammar built from the functions' parameter
+schemas (the engine's structured output), so the output parses whatever the model: a named function's output is
+its arguments object; "required" outputs a JSON list of {"name", "arguments"} (at most one with
+parallel_tool_calls false). "auto" leaves the model free and reads Hermes-style blocks from its text:
+<tool_call>{"name": ..., "arguments": {...}}</tool_call> (the format Qwen2.5, Hermes and our fallback prompt use).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import bad_request
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+
+@dataclass
+class ToolChoice:
+    """The request's tools and what it asked of them. mode: none, auto, required or named (then `name`)."""
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the "function" objects, in request order
+    mode: str = "none"
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) and self.mode != "none"
+
+    def function(self, name: str) -> dict[str, Any]:
+        return next(f for f in self.tools if f["name"] == name)
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def parameters_of(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def constraint(choice: ToolChoice) -> dict[str, Any] | None:
+    """The structured_outputs object (vLLM's form) that enforces the choice; None for auto and none."""
+    if not choice.active or choice.mode == "auto":
+        return None
+    if choice.mode == "named":
+        return {"json": parameters_of(choice.function(choice.name))}
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters_of(f)},
+              "required": ["name", "arguments"]} for f in choice.tools]
+    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                              "minItems": 1}
+    if not choice.parallel:
+        schema["maxItems"] = 1
+    return {"json": schema}
+
+
+def tools_system_prompt(choice: ToolChoice) -> str:
+    """For a chat template that takes no `tools`: the functions and the call format, as a system message."""
+    specs = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in choice.tools)
+    return ("You may call functions to answer. These are the functions, as JSON schemas:\n<tools>\n" + specs +
+            "\n</tools>\nTo call one, write a JSON object with the function's name and arguments inside tags, one "
+            'block per call:\n<tool_call>\n{"name": "function name", "arguments": {"argument": "value"}}\n'
+            "</tool_call>")
+
+
+def call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _parse_block(text: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def parse_output(choice: ToolChoice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of one whole choice's text."""
+    if not choice.active:
+        return text, []
+    if choice.mode == "named":
+        return None, [call(choice.name, text)]
+    if choice.mode == "required":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []  # cut short (length): the client gets what there is
+        return None, [call(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items]
+    calls = []
+    for m in _BLOCK.finditer(text):
+        parsed = _parse_block(m.group(1))
+        if parsed is not None:
+            calls.append(parsed)
+    if not calls:
+        return text, []
+    content = text[:text.index(OPEN)].strip()
+    return content or None, calls
+
+
+def finish_reason(reason: str, calls: list) -> str:
+    """OpenAI's finish reason for a choice that made tool calls: tool_calls, unless it was cut short."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class ToolStream:
+    """One choice's streamed text -> chat delta objects (content and tool_calls), as OpenAI streams them."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice = choice
+        self.buffer = ""  # held back: text that may be (the start of) a tool call
+        self.text = ""  # the whole text so far (required: parsed at the end)
+        self.num_calls = 0
+        self._named_started = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.text += text
+        mode = self.choice.mode
+        if not self.choice.active:
+            return [{"content": text}]
+        if mode == "named":  # the arguments stream as they come
+            delta = {"index": 0, "function": {"arguments": text}}
+            if not self._named_started:
+                self._named_started, self.num_calls = True, 1
+                delta = {"index": 0, **call(self.choice.name, text)}
+            return [{"tool_calls": [delta]}]
+        if mode == "required":
+            return []
+        return self._auto(text)
+
+    def _auto(self, text: str) -> list[dict[str, Any]]:
+        self.buffer += text
+        out = []
+        while self.buffer:
+            start = self.buffer.find(OPEN)
+            if start < 0:
+                # Keep a tail that could still grow into "<tool_call>"; the rest is content.
+                keep = next((k for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
+                             if OPEN.startswith(self.buffer[-k:])), 0)
+                head, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                if head and not self.num_calls:
+                    out.append({"content": head})
+                break
+            if start and not self.num_calls:
+                out.append({"content": self.buffer[:start]})
+            end = self.buffer.find(CLOSE, start)
+            if end < 0:
+                self.buffer = self.buffer[start:]
+                break
+            parsed = _parse_block(self.buffer[start + len(OPEN):end].strip())
+            self.buffer = self.buffer[end + len(CLOSE):]
+            if parsed is not None:
+                out.append({"tool_calls": [{"index": self.num_calls, **parsed}]})
+                self.num_calls += 1
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Deltas for what was held back, at the choice's end."""
+        if self.choice.mode == "required" and self.choice.active:
+            _, calls = parse_output(self.choice, self.text)
+            if not calls:
+                return [{"content": self.text}] if self.text else []
+            self.num_calls = len(calls)
+            return [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
+        rest, self.buffer = self.buffer, ""
+        if rest and self.choice.mode == "auto" and self.choice.active:
+            if rest.startswith(OPEN):  # an unclosed call: one if its JSON is whole, else text
+                parsed = _parse_block(rest[len(OPEN):].strip())
+                if parsed is not None:
+                    self.num_calls += 1
+                    return [{"tool_calls": [{"index": self.num_calls - 1, **parsed}]}]
+            return [] if self.num_calls else [{"content": rest}]
+        return []
+
+
+def parse_tools(body: dict) -> ToolChoice:
+    """tools, tool_choice and parallel_tool_calls of a chat body, checked (400 naming the field)."""
+    from inflight.grammar.schema_check import unsupported_keyword  # the engine's own check, named for tools
+
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise bad_request(f"tools={tools!r:.80} must be a list", "tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}]={tool!r:.80} is not supported: allowed "
+                              "{'type': 'function', 'function': {...}}", "tools")
+        if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fn["name"]):
+            raise bad_request(f"tools[{i}].function.name={fn.get('name')!r} is invalid: allowed 1-64 letters, "
+                              "digits, _ . -", "tools")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad_request(f"tools[{i}].function.parameters={params!r:.80} is invalid: allowed a JSON "
+                                  "schema object", "tools")
+            bad = unsupported_keyword(params)
+            if bad is not None:
+                raise bad_request(f"tools[{i}].function.parameters: schema keyword {bad[0]!r} at {bad[1] or '/'} "
+                                  f"is not supported: {bad[2]}", "tools")
+        functions.append({k: v for k, v in fn.items() if k in ("name", "description", "parameters", "strict")})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise bad_request(f"tools names {names} repeat: allowed distinct function names", "tools")
+    raw = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request(f"parallel_tool_calls={parallel!r} is not a boolean", "parallel_tool_calls")
+    if raw is None:
+        raw = "auto" if functions else "none"
+    if raw in ("none", "auto", "required"):
+        if raw != "none" and not functions:
+            raise bad_request(f"tool_choice={raw!r} needs tools: allowed 'none' without tools", "tool_choice")
+        return ToolChoice(functions, raw, None, parallel)
+    name = raw.get("function", {}).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise bad_request(f"tool_choice={raw!r:.80} is invalid: allowed 'none', 'auto', 'required' or "
+                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names function {name!r}, which is not in tools: allowed {names}",
+                          "tool_choice")
+    return ToolChoice(functions, "named", name, parallel)

@@ -1,0 +1,167 @@
+"""Weight-only int8 / int4 and GGUF loading (model/quant.py, native/quant_rows.c, model/gguf_loader.py): the native
+product against the dequantized float32 weight, the block layouts against the gguf package's own dequantization,
+GGUF files of every kept type loaded and served, the accuracy cost measured as perplexity, bad options refused."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from engine_helpers import ROOT, SMOLLM2, TINY, TINY_GEMMA3, assert_pool_whole
+from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
+from inflight.model.native_decode import quant_product
+from inflight.model.quant import (BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, quantize_int4, quantize_int8,
+                                  quantized_bytes)
+
+SMOL_Q4_1 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def product():
+    return quant_product()
+
+
+def _weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4],
+                         ids=["int8-channel", "int8-32", "int4"])
+def test_quantization_error_is_within_half_a_step(make):
+    w = _weight(64, 256)
+    q = make(w)
+    err = (q.dequantize() - w).abs()
+    steps = q.plain()[1].repeat_interleave(q.group, dim=1)[:, :256]
+    assert bool((err <= steps / 2 + 1e-6).all()), "a weight rounded to a farther step than the nearest"
+
+
+@pytest.mark.parametrize("kind", ["int8-channel", "int8-32", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
+def test_native_product_equals_the_dequantized_weights_product(product, kind, rows):
+    """Against float64 over the dequantized weight, at the precision of a float32 dot product; rows 5-9 cross the
+    4-row blocks, and 200 inputs (int8 per channel) leave a tail past the last 16."""
+    inp = 200 if kind == "int8-channel" else 256
+    w = _weight(96, inp, seed=rows)
+    q = {"int8-channel": quantize_int8, "int8-32": lambda x: quantize_int8(x, 32), "int4": quantize_int4}[kind](w)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(96)
+    got = product(x, q, bias)
+    exact = (x.double() @ q.dequantize().double().T + bias.double()).float()
+    torch.testing.assert_close(got, exact, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4])
+def test_a_rows_result_does_not_depend_on_its_batch(product, make):
+    """Every row sums in the same lanes and order whatever shares the call: bit for bit alone and among 7."""
+    q = make(_weight(64, 256))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    together = product(x, q, None)
+    for r in range(7):
+        torch.testing.assert_close(product(x[r:r + 1], q, None)[0], together[r], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4],
+                         ids=["int8-channel", "int8-32", "int4"])
+def test_tiles_round_trip_and_many_rows(product, make):
+    """The tiled layout gives the plain one back; 40 rows (several row blocks of 6 / 3) and 300 outputs (a last
+    tile of 12) multiply right."""
+    w, x = _weight(300, 128), torch.randn(40, 128)
+    q = make(w)
+    rebuilt = QuantizedWeight(q.kind, *q.plain(), q.group, q.in_features)
+    torch.testing.assert_close(rebuilt.dequantize(), q.dequantize(), atol=0, rtol=0)
+    torch.testing.assert_close(q.dequantize(torch.tensor([299, 0, 17])), q.dequantize()[[299, 0, 17]], atol=0, rtol=0)
+    exact = (x.double() @ q.dequantize().double().T).float()
+    torch.testing.assert_close(product(x, q, None), exact, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_as_the_gguf_package_does(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    w = _weight(24, 96).numpy()
+    blocks = quantize(w, GGMLQuantizationType[qtype])
+    q = from_gguf_blocks(qtype, blocks, 24, 96)
+    assert q.kind == (INT8 if qtype == "Q8_0" else INT4) and q.group == BLOCK
+    theirs = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]))
+    # Q4_0's w = d (q - 8) is stored as d q + (-8 d): two roundings where gguf has one, at most an ulp apart.
+    tol = dict(atol=0, rtol=0) if qtype != "Q4_0" else dict(atol=1e-7, rtol=2 ** -22)
+    torch.testing.assert_close(q.dequantize(), theirs, **tol)
+
+
+def test_bad_quantization_options_are_refused():
+    with pytest.raises(ValueError, match="quantization='int3' is out of range: allowed none, int8, int4"):
+        EngineConfig.from_options(quantization="int3")
+    with pytest.raises(ValueError, match="quantization='int8' is CPU float32 only"):
+        EngineConfig.from_options(quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match="int8 group=20 must be the row \\(64\\) or a multiple of 32 that divides it"):
+        QuantizedWeight(INT8, torch.zeros(2, 64, dtype=torch.int8), torch.ones(2, 4), None, 20, 64)
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+
+def test_the_wheels_q4_1_gguf_serves_exactly_what_the_float32_folder_does():
+    """models/SmolLM2-135M-Instruct was dequantized from this very file, and the product rounds each weight as that
+    dequantization did: loaded directly, quantized, the file gives the float32 model's greedy tokens."""
+    gguf = LLM(SMOL_Q4_1, num_kv_blocks=128, max_num_seqs=4)
+    dense = LLM(SMOLLM2, num_kv_blocks=128, max_num_seqs=4)
+    ids = dense.tokenizer.encode(open(os.path.join(ROOT, "docs", "engine.md")).read())
+    assert gguf.tokenizer.encode("The capital of France is") == dense.tokenizer.encode("The capital of France is")
+    prompts = [ids[i * 60:i * 60 + 40] for i in range(4)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in gguf.generate(prompts, greedy, use_tqdm=False)]
+    assert got == [o.token_ids for o in dense.generate(prompts, greedy, use_tqdm=False)]
+    runner = gguf.engine.runner
+    assert runner.model.is_quantized and runner.forward.steps > 0, "decode steps did not run natively"
+    # 4-bit linears (scale and min as float32: 0.75 bytes a weight) and the Q8_0 embedding: 115 MB, where float32
+    # would be 540 MB.
+    weights = quantized_bytes(runner.model)
+    assert weights < 120 * 2**20, f"{weights / 2**20:.0f} MB: the GGUF was not kept in its 4-bit blocks"
+    assert_pool_whole(gguf.engine)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("model", [TINY, TINY_GEMMA3], ids=["llama", "gemma3"])
+def test_quantized_at_load_serves_every_step_shape(quantization, model):
+    """Prefill chunks, few-row and many-row decode steps of a model quantized at load (the Llama family through
+    the whole native step, Gemma 3 through its torch forward): every request finishes, the pool is whole."""
+    llm = LLM(model, quantization=quantization, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=24)
+    model = llm.engine.runner.model
+    assert all(m.quant is not None for m in model.modules() if hasattr(m, "quant_rows"))
+    ids = llm.tokenizer.encode(open(os.path.join(ROOT, "docs", "engine.md")).read())
+    prompts = [ids[i * 7:i * 7 + 5 + i] for i in range(20)]  # 20 rows decode together: the many-row path
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert_pool_whole(llm.engine)
+
+
+def test_perplexity_of_int8_within_one_percent_of_float32():
+    """The accuracy the quantization costs, on this repository's docs (perf.probes.perplexity measures more)."""
+    from perf.probes.perplexity import corpus, window_nll
+
+    def perplexity(quantization: str) -> float:
+        llm = LLM(SMOLLM2, quantization=quantization, num_kv_blocks=40, max_model_len=512,
+                  max_num_batched_tokens=512, enable_prefix_caching=False)
+        ids = llm.tokenizer.encode(corpus())[:512 * 4]
+        parts = [window_nll(llm, ids[i:i + 512]) for i in range(0, len(ids), 512)]
+        return math.exp(sum(n for n, _ in parts) / sum(c for _, c in parts))
+    base, int8 = perplexity("none"), perplexity("int8")
+    assert abs(int8 / base - 1) < 0.01, f"int8 perplexity {int8:.3f} vs float32 {base:.3f}"
+
+
+def test_gguf_of_every_kept_type_loads_and_matches_its_dequantized_weights(tmp_path):
+    """tiny-llama written as GGUF (gguf's own writer, q/k permuted as llama.cpp's converter does) in Q8_0, Q4_0
+    and Q4_1: the engine's logits equal those of the float32 model with the dequantized weights."""
+    from gguf_files import write_llama_gguf
+    dense = LLM(TINY, num_kv_blocks=32)
+    ids = dense.tokenizer.encode("The capital of France is a city of museums and parks")
+    for qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        path, dequantized = write_llama_gguf(TINY, tmp_path / qtype, qtype)
+        q = LLM(str(path), num_kv_blocks=32)
+        ref = LLM(str(dequantized), num_kv_blocks=32)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert q.generate([ids], greedy, use_tqdm=False)[0].token_ids == \
+            ref.generate([ids], greedy, use_tqdm=False)[0].token_ids, qtype
+        assert q.engine.runner.model.is_quantized
