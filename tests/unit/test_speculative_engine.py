@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import SMOLLM2, TINY, assert_pool_whole
+from engine_helpers import SMOLLM2, TINY, TINY_GEMMA3, TINY_QWEN3, assert_pool_whole
 from inflight import LLM, SamplingParams
+from inflight.speculation import NgramProposer
 
 TEXT = ("The history of the city begins with a small fishing village on the river. Over the centuries it grew "
         "into a trading port, then an industrial center, and finally a modern capital known for its museums, "
@@ -282,3 +283,40 @@ def test_rejection_sampling_keeps_the_target_distribution():
     accept = sum(p0[t0] * p1[t0][drafts[t0]] for t0 in p0)
     assert 0.1 < accept < 0.9 and c["num_accepted_tokens"] / num == pytest.approx(accept, abs=0.04)
     assert_pool_whole(llm.engine)
+
+
+def test_a_constrained_request_never_drafts_and_both_kinds_share_steps():
+    """A request with a grammar beside repetitive ones: the grammar's request gets no drafts (its matcher would
+    have to follow them), the others do, in the same steps; every output equals the one without drafts."""
+    prompts = [REPETITIVE[2], "Answer with a date: when did the war end?", REPETITIVE[1]]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"regex": "(1[0-9]{3}-){4}"}),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+    want, _ = run(SMOLLM2, prompts, params, **OFF)
+    asked: set[str] = set()
+    propose = NgramProposer.propose
+
+    def recording(self, seq, max_tokens):
+        asked.add(seq.request_id)
+        return propose(self, seq, max_tokens)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NgramProposer, "propose", recording)
+        got, engine = run(SMOLLM2, prompts, params, **SPEC)
+    assert_same(got, want)
+    assert summary(got)[1][1].count("-") == 4
+    assert asked == {"r0", "r2"}
+    assert spec_counters(engine)["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("model,options", [(TINY_QWEN3, {}), (TINY_GEMMA3, {}), (SMOLLM2, {"quantization": "int8"})],
+                         ids=["qwen3", "gemma3", "smollm2-int8"])
+def test_other_families_and_quantized_weights_give_the_same_outputs(model, options):
+    """Families on the torch forward (Qwen3's q/k norms, Gemma 3's sliding windows) and the quantized native
+    product verify drafts as decode rows too."""
+    prompts = [REPETITIVE[2], list(range(40, 60)) * 3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want, _ = run(model, prompts, params, **options, **OFF)
+    got, engine = run(model, prompts, params, **options, **SPEC)
+    assert_same(got, want)
+    assert spec_counters(engine)["num_drafts"] > 0
