@@ -63,10 +63,11 @@ def summary(outputs) -> list[tuple]:
 
 
 def assert_same(got, want) -> None:
-    """The same samples, tokens, text and finish reasons; cumulative logprobs equal within float32 noise."""
+    """The same samples, tokens, text and finish reasons; cumulative logprobs equal within float32 noise (a step's
+    row count picks the linears' kernels, so logits move by ~1e-5 relative, logprobs by ~3e-4 a token)."""
     assert summary(got) == summary(want)
     assert [outs[-1].cumulative_logprob for outs in got.values()] == pytest.approx(
-        [outs[-1].cumulative_logprob for outs in want.values()], abs=1e-3)
+        [outs[-1].cumulative_logprob for outs in want.values()], rel=1e-3, abs=1e-3)
 
 
 def spec_counters(engine) -> dict:
@@ -194,8 +195,8 @@ def test_stop_strings_eos_limits_and_logprobs_as_without_drafts():
     for g, w in zip(g_lp, w_lp):
         assert (g.token_id, sorted((k, r, s) for k, (_, r, s) in g.top.items())) == \
             (w.token_id, sorted((k, r, s) for k, (_, r, s) in w.top.items()))
-        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
-        assert [g.top[k][0] for k in sorted(g.top)] == pytest.approx([w.top[k][0] for k in sorted(w.top)], abs=1e-4)
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-3)
+        assert [g.top[k][0] for k in sorted(g.top)] == pytest.approx([w.top[k][0] for k in sorted(w.top)], abs=1e-3)
     assert [len(toks) for toks, *_ in summary(got)[4:]] == list(range(1, 9))
     assert summary(got)[2][2].value == "eos" and len(summary(got)[2][0]) >= 25
     assert spec_counters(engine)["num_accepted_tokens"] > 0
