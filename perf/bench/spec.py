@@ -152,7 +152,8 @@ def main() -> None:
         stack.callback(off.close)
         singles = {"ours": ours, "ours_off": off}
         if not args.no_llama_cpp:
-            peer = SimpleNamespace(concurrency=1, threads=0, work=str(work))
+            peer = SimpleNamespace(concurrency=1, threads=0, work=str(work), model=str(MODEL), peer_gguf=None,
+                                   quant="none")
             llama, _ = stack.enter_context(cpu_peer.serve_llama_cpp(peer, tuple(args.llama_spec.split()), 4096))
             singles["llama_cpp"] = llama
         for client in singles.values():  # warm: first calls pay for lazy set-up
