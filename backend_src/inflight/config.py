@@ -21,7 +21,8 @@ class EngineConfig:
         "given to `--model-repository`), so a repository and its models move together; a copy elsewhere names "
         "it absolutely. Default there: `../models/SmolLM2-135M-Instruct`."))
     dtype: str = setting("auto", Choices(("auto", "float32", "float16", "bfloat16")),
-                         "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA.")
+                         "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA. On CPU bfloat16 "
+                         "stores the weights in bf16 and computes in float32 (docs/quantization.md).")
     quantization: str = setting("none", Choices(("none", "int8", "int4")), (
         "CPU, weight-only (activations stay float32): int8 one scale per output channel, int4 blocks of 32 with "
         "a scale and a min (GGUF's Q4_1 rule); the lm_head and embedding take int8 either way. A GGUF model "

@@ -49,6 +49,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
+        # On CPU, bfloat16 is a weight format: the weights in bf16 (half of float32's bytes, which is what a CPU
+        # step waits on), widened exactly by the native product; activations and the KV cache stay float32.
+        self.weight_format = config.quantization
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype, self.weight_format = torch.float32, "bf16"
         self.model_config = ModelConfig.from_path(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
@@ -66,7 +71,7 @@ class ModelRunner:
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
-            self.model = load_model(config.model, self.dtype, self.device, self.switches, config.quantization)
+            self.model = load_model(config.model, self.dtype, self.device, self.switches, self.weight_format)
             _return_freed_memory()
             self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
@@ -117,7 +122,7 @@ class ModelRunner:
             log.warning("quantized linears: the native product did not build, so every call dequantizes its "
                         "weight (slow); install a C compiler (cc)")
             return self.model
-        log.info("quantized model (%s): %.0f MB of quantized weights", self.config.quantization,
+        log.info("quantized model (%s): %.0f MB of quantized weights", self.weight_format,
                  quantized_bytes(self.model) / 2**20)
         if self.model.uses_fast_paths and self.switches.cpu_native_decode:
             forward = native_decode.native_forward(self.model, self.device, self.dtype, self.switches)
