@@ -186,20 +186,26 @@ class ModelRunner:
         input_ids, positions, slots, sample_idx, sample_seqs = [], [], [], [], []
         query_lens, seq_lens = [], []
         bs = self.config.block_size
+        tables = []
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
+            padded = table + [0] * (max_blocks - len(table))
+            if seq.spec_token_ids:
+                self._verification_rows(seq, num_new, padded, input_ids, positions, slots, query_lens, seq_lens,
+                                        tables, sample_idx, sample_seqs)
+                continue
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
+            tables.append(padded)
             if end == len(seq):  # the chunk reaches the newest token: this row samples
                 sample_idx.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
@@ -215,6 +221,28 @@ class ModelRunner:
         ids = h2d(input_ids, torch.int64)
         pos = h2d(positions, torch.int64)
         return ids, pos, meta, sample_idx, sample_seqs
+
+    def _verification_rows(self, seq: Sequence, num_new: int, table: list[int], input_ids, positions, slots,
+                           query_lens, seq_lens, tables, sample_idx, sample_seqs) -> None:
+        """A sequence's newest token and its drafts (speculation/), one decode row each: row j holds position
+        start + j and attends to the first start + j + 1 positions of the shared block table. Every layer stores
+        the step's K/V before it attends, so row j sees the drafts before it, as a causal chunk would; as decode
+        rows they keep the decode-only forwards (the native CPU step among them), whose per-row results do not
+        depend on what shares the step. Every row samples: row j's logits verify draft j + 1."""
+        bs = self.config.block_size
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start:] + seq.spec_token_ids
+        assert len(tokens) == num_new, f"{seq}: {num_new} tokens scheduled, {len(tokens)} to verify"
+        for j, token in enumerate(tokens):
+            pos = start + j
+            input_ids.append(token)
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            query_lens.append(1)
+            seq_lens.append(pos + 1)
+            tables.append(table)
+            sample_idx.append(len(input_ids) - 1)
+            sample_seqs.append(seq)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         if not self.is_cuda:

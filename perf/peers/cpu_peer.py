@@ -115,7 +115,9 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def serve_llama_cpp(args):
+def serve_llama_cpp(args, extra: tuple[str, ...] = (), ctx_per_slot: int = 512, log_name: str = "llama-server.log"):
+    """llama-server with args.concurrency slots; `extra` options are appended (perf.bench.spec: its n-gram
+    speculation)."""
     cache = str(ROOT / ".cache")
     binary = peer_llamacpp.server_binary(cache)
     gguf = args.peer_gguf or peer_llamacpp.f32_gguf(cache, str(Path(args.model).resolve()))
@@ -123,10 +125,11 @@ def serve_llama_cpp(args):
         gguf = peer_llamacpp.quantized_gguf(cache, gguf, "Q8_0")
     (port,) = free_ports(1)
     # Each of the -np slots gets c / np context: room for a prompt and the longest output, with margin.
-    ctx = args.concurrency * 512
+    ctx = args.concurrency * ctx_per_slot
     cmd = [binary, "-m", gguf, "-np", str(args.concurrency), "-t", str(args.threads or 2),
-           "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-    log = open(Path(args.work) / "llama-server.log", "w")
+           "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+           *extra]
+    log = open(Path(args.work) / log_name, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     try:
         url = f"http://127.0.0.1:{port}"

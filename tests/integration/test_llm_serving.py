@@ -404,6 +404,39 @@ def test_metrics_exist_and_agree_with_the_requests_sent(server):
         assert gauge in after
 
 
+def test_speculative_decoding_streams_the_output_of_decoding_without_it(server):
+    """The served default drafts on CPU (speculative_method auto): a repetitive greedy request streams several
+    tokens per response, its text equals the offline engine's without drafts, byte for byte streamed or not,
+    and /metrics counts the drafts with vLLM's names."""
+    from inflight import LLM, SamplingParams
+
+    prompt = "Count from 1 to 30, separated by commas: 1, 2, 3,"
+    common = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = LLM(str(SMOL), num_kv_blocks=64, max_model_len=512, speculative_method="off").generate(
+        [prompt], SamplingParams(**common), use_tqdm=False)[0]
+    before = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0, model="llm")
+    stream = Stream(server.grpc_url)
+    stream.send("llm", "streamed", prompt, **common)
+    stream.send("llm", "whole", prompt, **common, stream=False)
+    stream.send("llm", "plain", prompt, **common, parameters={"speculative_decoding": False})
+    results = stream.wait()
+    stream.close()
+    streamed, whole, plain = results["streamed"], results["whole"], results["plain"]
+    assert streamed.error is None and whole.error is None and plain.error is None
+    assert streamed.text == whole.text == plain.text == want.text
+    assert streamed.num_output_tokens == 40 and streamed.num_responses < 40, "no response carried several tokens"
+
+    def delta(m, key):
+        return m.get(key, 0) - before.get(key, 0)
+
+    after = wait_for_metrics(server, lambda m: delta(m, "vllm:e2e_request_latency_seconds_count") == 3, model="llm")
+    drafts, accepted = delta(after, "vllm:spec_decode_num_drafts_total"), \
+        delta(after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= delta(after, "vllm:spec_decode_num_draft_tokens_total")
+    per_pos = [delta(after, f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}") for i in range(3)]
+    assert per_pos[0] > 0 and per_pos == sorted(per_pos, reverse=True)
+
+
 # ---- genai-perf ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend,output_tokens", [("vllm", 8), ("tensorrtllm", 6)])
