@@ -6,6 +6,7 @@ settings, which must be chosen in the environment before torch loads (so: one pr
     .venv/bin/python -m perf.probes.step_timing --batch 1
     OMP_WAIT_POLICY=ACTIVE .venv/bin/python -m perf.probes.step_timing --batch 16
     OMP_NUM_THREADS=1 .venv/bin/python -m perf.probes.step_timing --batch 1
+    .venv/bin/python -m perf.probes.step_timing --batch 1 --quantization int8
 
 Runs --batch requests (32-token prompts) into decode, then --rounds rounds of --steps steps; prints the
 median ms/step and every round's, with the threads and the OpenMP settings it ran under.
@@ -32,9 +33,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quantization", default="none", help="none, int8 or int4 (a GGUF --model keeps its own)")
     args = ap.parse_args()
     llm = LLM(args.model, max_num_seqs=args.batch, num_kv_blocks=64 * args.batch + 64, block_size=16,
-              speculative_method="off")  # plain decode steps of the batch
+              quantization=args.quantization, speculative_method="off")  # plain decode steps of the batch
     engine = decode_steps(llm, args.batch, prompt_len=32, warmup=5)
     rounds = []
     for _ in range(args.rounds):
