@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -106,6 +107,11 @@ class IterativeStepRunner:
         self._ids = RequestIds()
         self.sequences: dict[int, TrackedSequence] = {}
         self._by_internal: dict[str, int] = {}  # internal id -> correlation id
+        self._lock = threading.Lock()  # execute() and the idle poller never touch the state at once
+        self._last_execute_end = time.monotonic()
+        self._stop_poller = threading.Event()
+        self._poller: threading.Thread | None = None
+        self.num_cancelled_between = 0  # all along, found by executes and by the idle poller
 
     @property
     def num_live(self) -> int:
@@ -114,6 +120,13 @@ class IterativeStepRunner:
     # ---- one execute --------------------------------------------------------------------------------
     def execute(self, handed: list[HandedRequest]) -> tuple[list[bool], ExecuteStats]:
         """Run one step over the handed requests; returns, per handed request, whether to reschedule it."""
+        with self._lock:
+            try:
+                return self._execute(handed)
+            finally:
+                self._last_execute_end = time.monotonic()
+
+    def _execute(self, handed: list[HandedRequest]) -> tuple[list[bool], ExecuteStats]:
         t0 = time.monotonic()
         stats = ExecuteStats(num_handed=len(handed))
         present: dict[int, tuple[int, TrackedSequence]] = {}
@@ -163,10 +176,37 @@ class IterativeStepRunner:
 
     def close(self, reason: str = "cancelled: the model is being unloaded") -> None:
         """Unload: every live sequence gets its final (CANCELLED) on the last sender it was handed with."""
-        self._deliver(self._abort(list(self.sequences.values()), reason))
-        for tracked in list(self.sequences.values()):  # only if the engine had nothing to say for it
-            self.responder.fail(tracked.live, RequestError(f"request {reason}", UNAVAILABLE))
-            self._drop(tracked)
+        self._stop_poller.set()
+        if self._poller is not None:
+            self._poller.join(5.0)
+        with self._lock:
+            self._deliver(self._abort(list(self.sequences.values()), reason))
+            for tracked in list(self.sequences.values()):  # only if the engine had nothing to say for it
+                self.responder.fail(tracked.live, RequestError(f"request {reason}", UNAVAILABLE))
+                self._drop(tracked)
+
+    # ---- between executes ---------------------------------------------------------------------------
+    def start_idle_poller(self, period_s: float) -> None:
+        """A client that cancels the last live request leaves Triton with nothing to execute, so no execute would
+        ever free its KV: while no execute has run for `period_s`, ask the live sequences' last senders."""
+        def run() -> None:
+            while not self._stop_poller.wait(period_s):
+                self.poll_idle(period_s)
+        self._poller = threading.Thread(target=run, name="iterative-idle-poller", daemon=True)
+        self._poller.start()
+
+    def poll_idle(self, idle_s: float) -> int:
+        """Free the sequences Triton cancelled, if no execute runs now or ran in the last idle_s; returns how many."""
+        if not self.sequences or not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            if time.monotonic() - self._last_execute_end < idle_s:
+                return 0
+            stats = ExecuteStats()
+            self._forget_cancelled(set(), stats)
+            return stats.num_cancelled_between
+        finally:
+            self._lock.release()
 
     # ---- joining ------------------------------------------------------------------------------------
     def _start(self, request: HandedRequest, now: float, outs: list[RequestOutput]) -> TrackedSequence | None:
@@ -230,6 +270,7 @@ class IterativeStepRunner:
                 continue
             if self.responder.is_cancelled(tracked.live):
                 stats.num_cancelled_between += 1
+                self.num_cancelled_between += 1
                 tracked.live.done = True  # Triton sent its final: never touch the sender again
                 self.engine.abort_request(tracked.live.internal_id)  # its CANCELLED output goes nowhere
                 self._drop(tracked)

@@ -318,3 +318,17 @@ def test_samples_of_one_request_run_as_members_together(engine):
     outputs, _, error, _ = triton.final("n3")
     assert error is None and len(outputs["text_output"]) == 3
     assert_pool_whole(engine)
+
+
+def test_the_idle_poller_frees_a_sequence_cancelled_when_no_execute_follows(engine):
+    """The last live request cancelled: Triton answers it and has nothing more to execute, so only the poller can
+    give its KV back (and only while no execute runs)."""
+    triton = FakeTriton()
+    runner = make(engine, triton)
+    triton.submit("last", max_tokens=40, temperature=0.0, ignore_eos=True, stream=True)
+    triton.execute(runner)
+    assert runner.poll_idle(0.0) == 0  # not cancelled: it stays
+    triton.clients["last"].cancelled = True
+    assert runner.poll_idle(3600.0) == 0  # an execute ran within the period: leave it to the next one
+    assert runner.poll_idle(0.0) == 1 and runner.num_live == 0
+    assert_pool_whole(engine)

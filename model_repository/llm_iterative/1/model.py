@@ -65,6 +65,7 @@ class TritonPythonModel:
             self.engine, self.transport, options.limits, options.request_defaults, idle_s,
             is_serving=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])),
             request_hook=request_hook)
+        self.runner.start_idle_poller(options.cancel_check_period_s)
         self.sink, labels = TritonMetricSink(), metric_labels(args)
         self.exporter = MetricsExporter(self._metrics_snapshot, self.sink, labels, options.metrics_interval_s)
         self.exporter.start()
@@ -75,7 +76,9 @@ class TritonPythonModel:
                               ("held_back", "Live sequences left out of an execute (their inputs differ from the "
                                             "slot-0 request's), summed over executes."),
                               ("cancelled_between", "Sequences Triton cancelled between executes (it answered "
-                                                    "them; their KV was freed at the next execute)."))}
+                                                    "them; their KV was freed at the next execute or by the idle "
+                                                    "poller)."))}
+        self._cancelled_reported = 0
 
     def _metrics_snapshot(self):
         snap = self.engine.metrics.snapshot()
@@ -111,10 +114,12 @@ class TritonPythonModel:
 
     def _record(self, stats) -> None:
         self._counters["executes"].increment(1)
+        cancelled = self.runner.num_cancelled_between  # the idle poller's too (it touches no metric itself)
         for name, value in (("null_requests", stats.num_null), ("held_back", stats.num_absent),
-                            ("cancelled_between", stats.num_cancelled_between)):
+                            ("cancelled_between", cancelled - self._cancelled_reported)):
             if value:
                 self._counters[name].increment(value)
+        self._cancelled_reported = cancelled
 
     def finalize(self):
         log.info("finalize: %d live sequence(s)", self.runner.num_live)
