@@ -36,6 +36,7 @@ from serving.request_hooks import RequestHook
 
 log = logging.getLogger(__name__)
 
+MAX_ENDED_ELSEWHERE = 4096
 GRAMMAR_WAIT_S = 0.01  # an execute with only grammar-waiting requests waits this long, or Triton spins executes
 
 
@@ -112,6 +113,9 @@ class IterativeStepRunner:
         self._stop_poller = threading.Event()
         self._poller: threading.Thread | None = None
         self.num_cancelled_between = 0  # all along, found by executes and by the idle poller
+        # Sequences that got their final on an earlier execute's sender while Triton still held their request (a
+        # cancel by id, an error while held back, unload): that request comes back once more and is let go.
+        self._ended_elsewhere: dict[int, None] = {}
 
     @property
     def num_live(self) -> int:
@@ -139,13 +143,18 @@ class IterativeStepRunner:
                 stats.num_null += 1
                 continue
             tracked = self.sequences.get(cid)
-            if tracked is None:
-                if not request.is_start:
-                    continue  # it ended on an earlier execute's sender (a cancel by id, an error): let Triton drop it
+            if request.is_start:
                 stats.num_new += 1
+                if tracked is not None:  # a client's own sequence_id, reused while its sequence runs: Triton
+                    self._refuse_foreign(request, tracked)  # queues it in the same slot; this one ends now
+                    continue
                 tracked = self._start(request, t0, outs)
                 if tracked is None:
                     continue  # refused: its one final is out
+            elif tracked is None or tracked.live.client_id != request.client_id:
+                if self._ended_elsewhere.pop(cid, None) is None:  # not ours to let go silently: say why
+                    self._refuse_foreign(request, tracked)
+                continue
             else:
                 tracked.live.sender = request.sender
             present[cid] = (index, tracked)
@@ -159,7 +168,7 @@ class IterativeStepRunner:
             stats.step_s = time.monotonic() - t
             if not outs:
                 self._wait_for_grammars(members)
-        self._deliver(outs)
+        self._deliver(outs, set(present))
         reschedule = [False] * len(handed)
         now = time.monotonic()
         for index, tracked in present.values():
@@ -304,6 +313,15 @@ class IterativeStepRunner:
         self.sequences.pop(tracked.correlation_id, None)
         self._by_internal.pop(tracked.live.internal_id, None)
 
+    def _refuse_foreign(self, request: HandedRequest, tracked: TrackedSequence | None) -> None:
+        """A request that is not the next step of a live sequence here: a client sent its own sequence_id (as
+        perf_analyzer does for any sequence-batched model) for a second request. Each request is a sequence of its
+        own in this model; this one gets its error final and is not rescheduled."""
+        live = "" if tracked is None else f", live with request id {tracked.live.client_id!r}"
+        send_error(self.transport, request.sender, RequestError(
+            f"sequence_id={request.correlation_id!r} (start={request.is_start}) is not a new sequence nor the next "
+            f"step of one{live}: allowed no sequence_id (Triton then gives each request its own), or a fresh one "
+            f"with sequence_start=true", INVALID_ARG), request.client_id)
     # ---- the step -----------------------------------------------------------------------------------
     def _members(self, present: dict[int, tuple[int, TrackedSequence]]) -> set[Sequence]:
         """Every live sample of the handed requests (a request with n > 1 runs n sequences)."""
@@ -325,7 +343,9 @@ class IterativeStepRunner:
         if pending:
             concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
+    def _deliver(self, outs: list[RequestOutput], present: set | None = None) -> None:
+        """Send each output on its sequence's sender. A final for a sequence not handed in this execute went out on
+        its last execute's sender while Triton still holds its request: remember to let that request go."""
         for request_id, group in by_request(outs).items():
             cid = self._by_internal.get(request_id)
             tracked = self.sequences.get(cid) if cid is not None else None
@@ -338,3 +358,7 @@ class IterativeStepRunner:
             self.responder.flush(live)
             if live.done:
                 self._drop(tracked)
+                if present is not None and tracked.correlation_id not in present:
+                    self._ended_elsewhere[tracked.correlation_id] = None
+                    while len(self._ended_elsewhere) > MAX_ENDED_ELSEWHERE:  # requests Triton dropped meanwhile
+                        del self._ended_elsewhere[next(iter(self._ended_elsewhere))]

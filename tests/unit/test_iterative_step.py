@@ -332,3 +332,27 @@ def test_the_idle_poller_frees_a_sequence_cancelled_when_no_execute_follows(engi
     assert runner.poll_idle(3600.0) == 0  # an execute ran within the period: leave it to the next one
     assert runner.poll_idle(0.0) == 1 and runner.num_live == 0
     assert_pool_whole(engine)
+
+
+def test_a_second_request_under_a_clients_own_sequence_id_gets_an_error_final(engine):
+    """perf_analyzer sends its own correlation ids to any sequence-batched model: a second request under a live id
+    (not a start), or one whose id nobody here runs, is refused with a final that names sequence_id."""
+    triton = FakeTriton()
+    runner = make(engine, triton)
+    triton.submit("first", max_tokens=20, temperature=0.0, ignore_eos=True, stream=True)
+    triton.execute(runner)
+    triton.submit("second", max_tokens=5)
+    triton.cids["second"] = triton.cids["first"]  # the same sequence id
+    triton.started.add("second")  # sent without the start flag
+    reschedule, _ = triton.execute(runner, ["second"])
+    assert reschedule == [False]
+    _, _, error, _ = triton.final("second")
+    assert error.code == "INVALID_ARG" and "sequence_id=1" in error.message and "'first'" in error.message
+    triton.submit("stray", max_tokens=5)
+    triton.started.add("stray")  # an id no sequence here runs, not a start
+    reschedule, _ = triton.execute(runner, ["stray"])
+    assert reschedule == [False] and triton.final("stray")[2].code == "INVALID_ARG"
+    triton.queued -= {"second", "stray"}
+    triton.run(runner)
+    assert triton.final("first")[2] is None
+    assert_pool_whole(engine)
