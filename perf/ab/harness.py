@@ -37,16 +37,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ARM_MODELS = {"inflight": INFLIGHT_MODEL, "iterative": ITERATIVE_MODEL, "dynamic": DYNAMIC_MODEL}
 ENGINE_MODELS = {"inflight": "llm", "iterative": "llm_iterative", "dynamic": "llm_dynamic"}  # whose /metrics to read
-# Ours with one feature off (--ablation): arm -> (model name, the engine parameters that turn it off). Without
+# --ablation: ours with one feature off, and Triton's iterative batcher around a plain engine step (each handed
+# request's whole next iteration, no prefix cache): arm -> (model copied, its name, the engine parameters). Without
 # chunked prefill a step must hold a whole prompt, so the token budget rises to the model length (2048).
+_NO_CHUNKING = {"enable_chunked_prefill": "false", "max_num_batched_tokens": "2048"}
 ABLATIONS = {
-    "inflight-no-chunked": ("llm_no_chunked", {"enable_chunked_prefill": "false", "max_num_batched_tokens": "2048"}),
-    "inflight-no-prefix": ("llm_no_prefix", {"enable_prefix_caching": "false"}),
-    "inflight-no-fastlane": ("llm_no_fastlane", {"fast_lane_max_prompt_tokens": "0", "fast_lane_max_tokens": "0"}),
+    "inflight-no-chunked": (INFLIGHT_MODEL, "llm_no_chunked", _NO_CHUNKING),
+    "inflight-no-prefix": (INFLIGHT_MODEL, "llm_no_prefix", {"enable_prefix_caching": "false"}),
+    "inflight-no-fastlane": (INFLIGHT_MODEL, "llm_no_fastlane",
+                             {"fast_lane_max_prompt_tokens": "0", "fast_lane_max_tokens": "0"}),
+    "iterative-plain": (ITERATIVE_MODEL, "llm_iterative_plain", {**_NO_CHUNKING, "enable_prefix_caching": "false"}),
 }
-for _arm, (_model, _) in ABLATIONS.items():
+for _arm, (_, _model, _) in ABLATIONS.items():
     ARM_MODELS[_arm] = ENGINE_MODELS[_arm] = _model
-PERF_ANALYZER_ARMS = ("inflight", "dynamic", *ABLATIONS)  # it sends its own sequence ids to llm_iterative
 ALL_CONCURRENCY = (1, 4, 16, 64)
 TOOLS = ("loadgen", "perf_analyzer")
 
@@ -108,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="split each cell into this many runs per arm, alternating arms (for a shared machine)")
     ap.add_argument("--arms", help=f"comma-separated subset of {','.join(ARM_MODELS)} (default: the three batchers)")
     ap.add_argument("--ablation", action="store_true",
-                    help="add ours with chunked prefill, the prefix cache and the fast lane each turned off")
+                    help="add ours with chunked prefill, the prefix cache and the fast lane each turned off, and "
+                         "the iterative arm with neither chunked prefill nor prefix cache (iterative-plain)")
     ap.add_argument("--tool", choices=TOOLS, default="loadgen",
                     help="loadgen (one streaming gRPC client, every arm) or perf_analyzer (not the iterative arm)")
     ap.add_argument("--arrival", default="closed",
@@ -148,7 +152,7 @@ def make_plan(args: argparse.Namespace) -> tuple[str, Plan]:
     if args.ablation:
         plan.arms = tuple(dict.fromkeys((*plan.arms, *ABLATIONS)))
     plan.tool = args.tool
-    if plan.tool == "perf_analyzer" and "iterative" in plan.arms:
+    if plan.tool == "perf_analyzer" and any(a.startswith("iterative") for a in plan.arms):
         raise SystemExit("--tool perf_analyzer cannot drive the iterative arm (it sends its own sequence ids to a "
                          "sequence-batched model): allowed --arms without iterative, or --tool loadgen")
     try:
@@ -349,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = build_repository(args.source.resolve(), work / "model_repository", plan.engine_params,
                             max_queue_delay_us=args.queue_delay_us, iterative="iterative" in plan.arms)
     for arm in (a for a in plan.arms if a in ABLATIONS):
-        model, params = ABLATIONS[arm]
-        copy_model(args.source.resolve(), INFLIGHT_MODEL, repo, as_name=model, params={**plan.engine_params, **params})
+        source_model, model, params = ABLATIONS[arm]
+        copy_model(args.source.resolve(), source_model, repo, as_name=model, params={**plan.engine_params, **params})
     env = {"OMP_NUM_THREADS": str(plan.torch_threads)} if plan.torch_threads else {}
     server = TritonServer(repo, log_path=work / "server.log", startup_timeout_s=900, env=env)
     print(f"[ab] starting tritonserver (log {server.log_path})", flush=True)

@@ -244,10 +244,22 @@ ARM_TEXT = {
 }
 
 
+ABLATION_TEXT = {
+    "inflight-no-chunked": "ours without chunked prefill (`enable_chunked_prefill=false`; the step budget then must "
+                           "hold a whole prompt: `max_num_batched_tokens=2048`)",
+    "inflight-no-prefix": "ours without the prefix cache (`enable_prefix_caching=false`)",
+    "inflight-no-fastlane": "ours without the fast lane (no request counts as short: `fast_lane_max_prompt_tokens=0`, "
+                            "`fast_lane_max_tokens=0`)",
+    "iterative-plain": "Triton's iterative batcher around a plain step: each handed request's whole next iteration "
+                       "(no chunked prefill, budget 2048) and no prefix cache: what a Triton user's own iterative "
+                       "model has without our engine",
+}
+
+
 def _describe_arms(arms: list[str], meta: dict) -> list[str]:
     lines = ["Arms (one server, the same model, engine code and KV budget; greedy, `ignore_eos` so output lengths "
              "are exact):", ""]
-    lines += [f"- {ARM_TEXT.get(a, f'**{a}** = ours with one feature off (`{a}`)')}" for a in arms]
+    lines += [f"- {ARM_TEXT.get(a, f'**{a}** = {ABLATION_TEXT.get(a, a)}')}" for a in arms]
     return lines + ["", f"Load: {meta.get('load', 'perf_analyzer')}.", ""]
 
 
