@@ -5,6 +5,8 @@ or shown here as the limit it is (docs/ab.md, "The iterative arm's sharp edges")
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,6 +221,15 @@ def test_a_cancelled_stream_frees_its_kv_even_with_nothing_else_running(server):
     assert err is None and text_of(good)  # the server still serves
     time.sleep(1.5)  # the counters reach /metrics from the next execute's record
     assert counter(server, "llm_iterative_cancelled_between_total", "llm_iterative") - cancelled_before == 1
+
+
+def test_the_cli_client_finds_the_batch_dimension_by_itself(server):
+    """client/generate.py reads the model's max_batch_size and shapes its inputs (and reads the outputs) to fit."""
+    out = subprocess.run([sys.executable, str(ROOT / "client" / "generate.py"), "--url", server.grpc_url, "--model",
+                          "llm_iterative", "--raw", "Hello", "--max-tokens", "5", "--ignore-eos"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"completed": 1, "output_tokens": 5' in out.stderr
 
 
 # ---- the sharp edges, each handled or shown as a limit ------------------------------------------------------
