@@ -204,6 +204,19 @@ def _draw_tradeoff(ax, cells: list[Cell], w: str, _col: int) -> None:
     ax.set(xlabel="output tokens/s", ylabel="p99 TTFT (ms)")
 
 
+def _draw_queue(ax, cells: list[Cell], w: str, _col: int) -> None:
+    arms = _arms(cells)
+    for arm in arms:
+        color, marker, label = _style(arm, arms)
+        pts = sorted((c.concurrency, c.queue_mean_ms) for c in cells if c.workload == w and c.arm == arm and c.stats)
+        pts = [p for p in pts if not math.isnan(p[1])]
+        ax.plot([p[0] for p in pts], [max(p[1], 0.01) for p in pts], color=color, marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{w}: queue time, mean (server)", fontsize=9)
+    ax.set(xlabel="concurrency", ylabel="arrival at the engine model -> first step (ms)")
+
+
 def plot(cells: list[Cell], workloads: list[str], out_dir: Path) -> list[str]:
     """Three figures, one row per workload where a figure has several panels per workload."""
     import matplotlib
@@ -218,6 +231,7 @@ def plot(cells: list[Cell], workloads: list[str], out_dir: Path) -> list[str]:
         ("throughput_vs_concurrency.png", False, n, (4.2 * n, 3.6), _draw_throughput),
         ("latency_percentiles.png", True, len(_LATENCIES), (12, 3.2 * n), _draw_latency),
         ("latency_vs_throughput.png", False, n, (4.2 * n, 3.6), _draw_tradeoff),
+        ("queue_time.png", False, n, (4.2 * n, 3.6), _draw_queue),
     ]
     for filename, by_row, cols, size, draw in figures:
         rows = n if by_row else 1
