@@ -244,10 +244,11 @@ deltas, so their `_count` and `_sum` match the engine's.
 def metrics_doc() -> str:
     """docs/metrics.md: every exported metric family, by kind, from serving.metrics_export's tables."""
     rows = [("histogram", e) for e in me.HISTOGRAMS]
-    rows += [("counter", e) for e in (*me.COUNTERS, me.REQUEST_SUCCESS)]
+    rows += [("counter", e) for e in (*me.COUNTERS, me.REQUEST_SUCCESS, me.SPEC_ACCEPTED_PER_POS)]
     rows += [("gauge", e) for e in (*me.GAUGES, me.PREFIX_HIT_RATE, *me.FRONTEND_GAUGES)]
     reasons = ", ".join(f"`{r.value}`" for r in FinishReason)
     notes = {me.REQUEST_SUCCESS.name: f" Label `finished_reason`: {reasons}.",
+             me.SPEC_ACCEPTED_PER_POS.name: " Label `position`: 0 to num_speculative_tokens - 1.",
              **{e.name: " `llm` only (the frontend's own count)." for e in me.FRONTEND_GAUGES}}
     table = "".join(f"| `{e.name}` | {kind} | `{e.source}` | {e.description}{notes.get(e.name, '')} |\n"
                     for kind, e in rows)

@@ -162,31 +162,35 @@ def greedy_new_ids(folder: Path, prompt: str, n: int) -> tuple[list[int], list[i
     return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
 
 
-def build_smollm2() -> None:
+def float32_from_gguf(folder: Path, name: str, model_class):
+    """(tokenizer, model) of a GGUF loaded by transformers, its weights dequantized to float32 (kept so on disk, so
+    CPU tests compare against exactly these numbers). save_pretrained refuses a GGUF-quantized model; the weights
+    are plain tensors already, so an ordinary model is rebuilt from the same config without the quantization
+    marker."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    model = model_class(config)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    return tok, model
+
+
+def build_smollm2() -> None:
+    from transformers import LlamaForCausalLM
 
     gguf_dir, gguf_name = fetch_gguf()
     tmp = fresh_build_dir(SMOL_NAME)
     t0 = time.monotonic()
 
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    # Loading dequantizes Q4_1 to float32; the numbers then stay as float32 on disk so CPU
-    # tests compare against exactly these weights.
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
-                                                      dtype=torch.float32)
-    config = gguf_model.config
-    # save_pretrained refuses a GGUF-quantized model; the weights are plain tensors already,
-    # so rebuild an ordinary model from the same config without the quantization marker.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = "float32"
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    model.tie_weights()
-    model.generation_config = gguf_model.generation_config
-    del gguf_model
-
+    tok, model = float32_from_gguf(gguf_dir, gguf_name, LlamaForCausalLM)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     log(f"{SMOL_NAME}: converted in {time.monotonic() - t0:.0f} s")
@@ -364,25 +368,14 @@ def assemble_gemma_gguf() -> Path:
 def build_gemma3_270m() -> None:
     import json
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM
 
     gguf = assemble_gemma_gguf()
     tmp = fresh_build_dir(GEMMA_NAME)
     t0 = time.monotonic()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok, model = float32_from_gguf(gguf.parent, gguf.name, Gemma3ForCausalLM)
     tok.chat_template = GEMMA_CHAT_TEMPLATE
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = "float32"
-    model = Gemma3ForCausalLM(config)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    model.tie_weights()
-    model.generation_config = gguf_model.generation_config
-    model.generation_config.eos_token_id = [config.eos_token_id, GEMMA_END_OF_TURN]
-    del gguf_model
+    model.generation_config.eos_token_id = [model.config.eos_token_id, GEMMA_END_OF_TURN]
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     shutil.copy2(gguf.parent / "GEMMA_TERMS.html", tmp / "GEMMA_TERMS.html")

@@ -179,6 +179,17 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_block())
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: the rollback of rejected draft tokens, whose
+        slots held KV that no token of the sequence has. Such blocks were allocated for the drafts alone, so
+        they are this sequence's only and never published (register_full_blocks stops at computed tokens)."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.block_hash is None, f"block {block.block_id} trimmed while shared"
+            block.ref_count = 0
+            self.free_ids.append(block.block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay findable until evicted (LRU)."""
         for block_id in reversed(seq.block_table):  # tail first, so a prefix outlives its extensions in LRU

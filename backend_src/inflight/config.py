@@ -21,7 +21,8 @@ class EngineConfig:
         "given to `--model-repository`), so a repository and its models move together; a copy elsewhere names "
         "it absolutely. Default there: `../models/SmolLM2-135M-Instruct`."))
     dtype: str = setting("auto", Choices(("auto", "float32", "float16", "bfloat16")),
-                         "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA.")
+                         "Weights and activations. auto: float32 on CPU, bfloat16 on CUDA. On CPU bfloat16 "
+                         "stores the weights in bf16 and computes in float32 (docs/quantization.md).")
     quantization: str = setting("none", Choices(("none", "int8", "int4")), (
         "CPU, weight-only (activations stay float32): int8 one scale per output channel, int4 blocks of 32 with "
         "a scale and a min (GGUF's Q4_1 rule); the lm_head and embedding take int8 either way. A GGUF model "
@@ -75,6 +76,19 @@ class EngineConfig:
         "Compiled grammars kept, least recently used first out; a request with a cached grammar is admitted "
         "without compiling."))
 
+    # Speculative decoding (speculation/, docs/speculative.md): outputs are those of decoding without it.
+    speculative_method: str = setting("auto", Choices(("auto", "off", "ngram")), (
+        "Draft tokens verified several per forward. ngram: prompt lookup (the request's last n tokens found "
+        "earlier in its prompt or output propose what followed them). auto: ngram on CPU, off on CUDA (not "
+        "measured there yet). A request may opt out with speculative_decoding=false."))
+    num_speculative_tokens: int = setting(5, Ints(1, 64), "Draft tokens per request and step at most.")
+    prompt_lookup_min: int = setting(2, Ints(1, 64), "Shortest n-gram the ngram method matches.")
+    prompt_lookup_max: int = setting(4, Ints(1, 64), "Longest n-gram the ngram method matches (tried first).")
+    speculative_disable_by_batch_size: int = setting(8, Ints(0, _COUNT), (
+        "No drafts while more requests than this run: past it verification can cost more than it saves (the "
+        "break-even of a low-acceptance load on this project's CPU; copy-heavy loads still gain at 16-20: "
+        "docs/speculative.md). 0: never draft."))
+
     # Engine switches. "auto" is resolved when the model loads, per CPU or device, in one place
     # (cpu_defaults.resolve_cpu_defaults), which logs what it chose and why. docs/cpu.md has the measurements.
     cpu_gemm: str = setting("auto", Choices(("auto", "onednn", "blas")), (
@@ -118,6 +132,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
                 f"{self.max_model_len} when chunked prefill is disabled")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} is out of range: allowed [1, "
+                             f"prompt_lookup_max={self.prompt_lookup_max}]")
 
     @classmethod
     def from_options(cls, environ=None, **options) -> "EngineConfig":

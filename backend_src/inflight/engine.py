@@ -24,6 +24,7 @@ from .prompt import PromptEncoder
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import FinishReason, RequestOutput, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
+from .speculation import Speculator, num_accepted, verification_rows
 from .tokenizer import load_tokenizer
 from .step_timer import NULL_TIMER
 
@@ -49,7 +50,9 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self._decode_tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.sampler = Sampler(seed=config.seed)
-        self.metrics = EngineMetrics(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len)
+        self.speculator = Speculator.from_config(config)  # None: no drafts (speculative_method)
+        self.metrics = EngineMetrics(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
+                                     config.num_speculative_tokens)
         eos = set(self.runner.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -215,6 +218,10 @@ class LLMEngine:
         timer = self.timer
         timer.start()
         refused = self._check_grammars(t0)
+        if self.speculator is not None:  # drafts only for this step's members when Triton picks them
+            candidates = self.scheduler.running if members is None else [
+                s for s in self.scheduler.running if s in members]
+            self.scheduler.speculating = self.speculator.propose(candidates)
         sched = self.scheduler.schedule(members)
         for _ in sched.preempted:
             self.metrics.on_preemption()
@@ -241,8 +248,13 @@ class LLMEngine:
         outputs = []
         if sample_seqs:
             # The constrained rows' bitmask, applied in place: sampling and logprobs see the masked distribution.
+            # (Requests with a grammar never draft, so a drafted request's rows are left as they are.)
             self.step_mask.apply(logits, sample_seqs)
             timer.lap("mask")
+        if sched.drafted:
+            outputs = self._sample_and_verify(logits, sample_seqs, rendered)
+            timer.lap("detokenize")
+        elif sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
             tokens, logprobs = list(sampled.token_ids), list(sampled.logprobs)
             if any(not seq.forked for seq in sample_seqs):
@@ -345,8 +357,6 @@ class LLMEngine:
                     token_logprobs = [TokenLogprobs(token, logprob,
                                                     {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
                 stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
-            num_tokens = len(seq.token_ids)
-            num_prompt = len(seq.prompt_token_ids)
             grammar_done = False
             matcher = seq.grammar_matcher
             if matcher is not None:
@@ -356,27 +366,125 @@ class LLMEngine:
                                                 rendered.pop(seq.request_id, None)))
                     continue
                 grammar_done = matcher.is_terminated()
-            if stop_string_matched:
-                reason = FinishReason.STOP
-            elif token in (self.eos_token_ids if params.end_id is None else (params.end_id,)) \
-                    and not params.ignore_eos:
-                reason = FinishReason.EOS
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif grammar_done:  # the grammar took its stop token: the output is complete (also with ignore_eos)
-                reason = FinishReason.STOP
-            elif num_tokens - num_prompt >= seq.max_tokens or num_tokens >= max_len:
-                reason = FinishReason.LENGTH
-            elif not render_now:
-                self._deferred[seq] = token
-                continue
-            else:
+            reason = self._finish_reason(seq, token, stop_string_matched, grammar_done, max_len)
+            if reason is None:
+                if not render_now:
+                    self._deferred[seq] = token
+                    continue
+                num_prompt = len(seq.prompt_token_ids)
                 outputs.append(RequestOutput(seq.group_id, [token], detok.take_delta(seq, False), False, None,
-                                             num_prompt, num_tokens - num_prompt, seq.cumulative_logprob, None,
-                                             token_logprobs, seq.sample_index))
+                                             num_prompt, len(seq.token_ids) - num_prompt, seq.cumulative_logprob,
+                                             None, token_logprobs, seq.sample_index))
                 continue
             outputs.append(self._finish(seq, reason, now, [token], stop_string_matched, token_logprobs,
                                         rendered.pop(seq.request_id, None)))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int, stop_string_matched: bool, grammar_done: bool,
+                       max_len: int) -> FinishReason | None:
+        """Why the token just appended ends the sample, or None: a stop string, EOS (or end_id) unless ignored,
+        a stop token id, the grammar's end (it took its stop token: complete, also with ignore_eos), max_tokens or
+        max_model_len."""
+        params = seq.params
+        if stop_string_matched:
+            return FinishReason.STOP
+        if token in (self.eos_token_ids if params.end_id is None else (params.end_id,)) and not params.ignore_eos:
+            return FinishReason.EOS
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return FinishReason.STOP
+        if grammar_done:
+            return FinishReason.STOP
+        num_tokens = len(seq.token_ids)
+        if num_tokens - len(seq.prompt_token_ids) >= seq.max_tokens or num_tokens >= max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _sample_and_verify(self, logits, sample_seqs: list[Sequence],
+                           rendered: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """Sampling in a step where some rows verify drafts (speculation/verify.py): a drafted sequence has
+        len(drafts) + 1 consecutive rows, each sampled as a plain decode at its position would be, in one sampler
+        pass with every other row. Other rows go on as in step()."""
+        rows: list = []
+        groups: list[tuple[Sequence, int]] = []  # (drafted sequence, its first row)
+        i = 0
+        while i < len(sample_seqs):
+            seq = sample_seqs[i]
+            if seq.spec_token_ids:
+                groups.append((seq, len(rows)))
+                rows += verification_rows(seq, seq.spec_token_ids)
+                i += len(seq.spec_token_ids) + 1
+            else:
+                rows.append(seq)
+                i += 1
+        sampled = self.sampler(logits, rows, self.eos_token_ids)
+        tokens, logprobs = list(sampled.token_ids), list(sampled.logprobs)
+        if any(not seq.forked for seq in rows):
+            logits, rows = self._fork_samples(logits, rows, tokens, logprobs)
+        tops = self._top_logprobs(logits, rows, tokens)
+        verifying = set()
+        for seq, first in groups:
+            verifying.update(range(first, first + len(seq.spec_token_ids) + 1))
+        plain = [i for i in range(len(rows)) if i not in verifying]
+        outputs = self._on_tokens([rows[i] for i in plain], [tokens[i] for i in plain], [logprobs[i] for i in plain],
+                                  [tops[i] for i in plain], rendered)
+        return outputs + self._on_draft_tokens(groups, tokens, logprobs, tops, rendered)
+
+    def _on_draft_tokens(self, groups: list[tuple[Sequence, int]], tokens: list[int], logprobs: list[float],
+                         tops: list, rendered: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """Per drafted sequence: the accepted drafts and the token after them, appended one at a time with the
+        checks _on_tokens makes, so a stop string, EOS, a stop token or the length limit ends the sample at the same
+        token as without drafts and nothing past it is kept; then the rejected drafts are rolled back. One output
+        per sample; the tokens that arrived together share the gap since the last."""
+        now = time.monotonic()
+        detok, max_len = self.detokenizer, self.config.max_model_len
+        outputs, gaps = [], []
+        per_position = [0] * self.config.num_speculative_tokens
+        num_draft_tokens = num_accepted_total = 0
+        for seq, first in groups:
+            drafts, params = seq.spec_token_ids, seq.params
+            accepted = num_accepted(drafts, tokens[first:first + len(drafts) + 1])
+            self.speculator.observe(seq, len(drafts), accepted)
+            num_draft_tokens += len(drafts)
+            num_accepted_total += accepted
+            for pos in range(accepted):
+                per_position[pos] += 1
+            emitted: list[int] = []
+            token_logprobs: list[TokenLogprobs] | None = None
+            reason, stop_string_matched = None, False
+            for row in range(first, first + accepted + 1):
+                token, top = tokens[row], tops[row]
+                seq.token_ids.append(token)
+                seq.cumulative_logprob += logprobs[row]
+                emitted.append(token)
+                if params.stop or top is not None:
+                    prev_len = len(seq.output_text)
+                    detok.update(seq)
+                    if top is not None:
+                        texts = {t: seq.output_text[prev_len:] if t == token else detok.tokenizer.decode([t])
+                                 for t in top}
+                        token_logprobs = (token_logprobs or []) + [TokenLogprobs(
+                            token, logprobs[row], {t: (lp, rank, texts[t]) for t, (lp, rank) in top.items()})]
+                    stop_string_matched = bool(params.stop) and detok.find_stop(seq, prev_len)
+                reason = self._finish_reason(seq, token, stop_string_matched, False, max_len)  # no grammar: no drafts
+                if reason is not None:
+                    break
+            gaps += [(now - seq.last_token_time) / len(emitted)] * len(emitted)
+            seq.last_token_time = now
+            previous = rendered.pop(seq.request_id, None)  # the last step's token, rendered late (CUDA)
+            if reason is not None:
+                outputs.append(self._finish(seq, reason, now, emitted, stop_string_matched, token_logprobs, previous))
+                continue
+            self.scheduler.commit_drafts(seq, len(emitted) - 1)
+            detok.update(seq)
+            text = detok.take_delta(seq, False)
+            if previous is not None:
+                emitted, text = previous.new_token_ids + emitted, previous.text_delta + text
+            num_prompt = len(seq.prompt_token_ids)
+            outputs.append(RequestOutput(seq.group_id, emitted, text, False, None, num_prompt,
+                                         len(seq.token_ids) - num_prompt, seq.cumulative_logprob, None,
+                                         token_logprobs, seq.sample_index))
+        self.metrics.on_step_tokens([], gaps)
+        self.metrics.on_spec_decode(len(groups), num_draft_tokens, num_accepted_total, per_position)
         return outputs
 
     def _render_deferred(self) -> dict[str, RequestOutput]:
@@ -419,6 +527,8 @@ class LLMEngine:
         self._awaiting_grammar.pop(seq, None)
         seq.grammar_matcher = None
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         del self.seqs[seq.request_id]
         samples = self.groups[seq.group_id]
         samples.remove(seq.request_id)

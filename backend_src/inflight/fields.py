@@ -332,6 +332,8 @@ FIELDS: tuple[Field, ...] = (
           "the others follow guided_decoding_guide", choices=("json", "json_schema", "regex", "ebnf_grammar")),
     Field("guided_decoding_guide", TEXT, None, "the schema, regex or EBNF grammar guided_decoding_guide_type "
           "names (TensorRT-LLM)"),
+    Field("speculative_decoding", BOOL, True, "where the engine drafts tokens (speculative_method), verify several "
+          "per step; false: one per step. The output is the same either way", inputs=()),
     # TensorRT-LLM features we do not have, accepted at the values its clients send when not using them.
     Field("beam_width", INT, 1, "beam search", unsupported="beam search is not implemented"),
     Field("length_penalty", FLOAT, 1.0, "beam search", unsupported="it applies to beam search only"),

@@ -109,9 +109,15 @@ class EngineMetrics:
       request_generation_tokens:   vllm:request_generation_tokens (per finished request)
       request_params_n:            vllm:request_params_n (samples a request asked for)
       grammar_compile_seconds:     no vLLM equivalent (one grammar compile, in its worker thread)
+
+    Speculative decoding counters (vLLM's spec_decode_* names): drafts verified (one per request and step that
+    had any), draft tokens, accepted draft tokens, and accepted tokens by draft position (position i counts the
+    drafts whose first i + 1 tokens were all accepted). Acceptance rate = accepted / draft tokens; mean accepted
+    length = 1 + accepted / drafts (the token after the accepted drafts included).
     """
 
-    def __init__(self, max_num_batched_tokens: int = 8192, max_batch_size: int = 256, max_model_len: int = 2048):
+    def __init__(self, max_num_batched_tokens: int = 8192, max_batch_size: int = 256, max_model_len: int = 2048,
+                 num_speculative_tokens: int = 0):
         self._lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -124,6 +130,10 @@ class EngineMetrics:
         self.grammar_cache_misses = 0  # requests that started a compile
         self.grammar_compile_errors = 0  # compiles the library refused (the request got INVALID_ARG)
         self.grammar_compile_timeouts = 0  # requests refused for a compile past grammar_compile_timeout_ms
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.histograms: dict[str, Histogram] = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
             "inter_token_latency_seconds": Histogram(INTER_TOKEN_BUCKETS),
@@ -239,6 +249,20 @@ class EngineMetrics:
     def on_grammar_timeout(self) -> None:
         with self._lock:
             self.grammar_compile_timeouts += 1
+    def on_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+                       accepted_per_pos: list[int]) -> None:
+        """One step's verification: drafts (requests with drafts), their tokens, those accepted, and per draft
+        position how many drafts had it accepted (a list no longer than num_speculative_tokens)."""
+        if not 0 <= num_accepted <= num_draft_tokens:
+            raise ValueError(f"num_accepted={num_accepted} is out of range: allowed [0, "
+                             f"num_draft_tokens={num_draft_tokens}]")
+        with self._lock:
+            self.spec_decode_num_drafts += num_drafts
+            self.spec_decode_num_draft_tokens += num_draft_tokens
+            self.spec_decode_num_accepted_tokens += num_accepted
+            per_pos = self.spec_decode_num_accepted_tokens_per_pos
+            for pos, n in enumerate(accepted_per_pos):
+                per_pos[pos] += n
 
     def on_step(self, duration_s: float, num_tokens: int) -> None:
         with self._lock:
@@ -283,6 +307,10 @@ class EngineMetrics:
                 "grammar_cache_misses": self.grammar_cache_misses,
                 "grammar_compile_errors": self.grammar_compile_errors,
                 "grammar_compile_timeouts": self.grammar_compile_timeouts,
+                "spec_decode_num_drafts": self.spec_decode_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
             }
             gauges = dict(self.gauges)
             histograms = {name: h.to_dict() for name, h in self.histograms.items()}

@@ -49,6 +49,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.is_cuda = self.device.type == "cuda"
         self.dtype = resolve_dtype(config)
+        # On CPU, bfloat16 is a weight format: the weights in bf16 (half of float32's bytes, which is what a CPU
+        # step waits on), widened exactly by the native product; activations and the KV cache stay float32.
+        self.weight_format = config.quantization
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.dtype, self.weight_format = torch.float32, "bf16"
         self.model_config = ModelConfig.from_path(config.model)
         self.timer = NULL_TIMER  # a StepTimer while a benchmark measures phases (engine.set_step_timer)
         self.static_decode: StaticDecode | None = None
@@ -66,7 +71,7 @@ class ModelRunner:
         # allocating (graphs included) wait for any other engine on this host doing the same (kv_sizing.py).
         sizing = SizingLock(self.device) if self.is_cuda and not config.num_kv_blocks else contextlib.nullcontext()
         with sizing:
-            self.model = load_model(config.model, self.dtype, self.device, self.switches, config.quantization)
+            self.model = load_model(config.model, self.dtype, self.device, self.switches, self.weight_format)
             _return_freed_memory()
             self.model.set_attention_backend(self.switches.attention_backend)
             self.forward = self._pick_forward()
@@ -117,7 +122,7 @@ class ModelRunner:
             log.warning("quantized linears: the native product did not build, so every call dequantizes its "
                         "weight (slow); install a C compiler (cc)")
             return self.model
-        log.info("quantized model (%s): %.0f MB of quantized weights", self.config.quantization,
+        log.info("quantized model (%s): %.0f MB of quantized weights", self.weight_format,
                  quantized_bytes(self.model) / 2**20)
         if self.model.uses_fast_paths and self.switches.cpu_native_decode:
             forward = native_decode.native_forward(self.model, self.device, self.dtype, self.switches)
@@ -181,20 +186,26 @@ class ModelRunner:
         input_ids, positions, slots, sample_idx, sample_seqs = [], [], [], [], []
         query_lens, seq_lens = [], []
         bs = self.config.block_size
+        tables = []
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
+            padded = table + [0] * (max_blocks - len(table))
+            if seq.spec_token_ids:
+                self._verification_rows(seq, num_new, padded, input_ids, positions, slots, query_lens, seq_lens,
+                                        tables, sample_idx, sample_seqs)
+                continue
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
+            tables.append(padded)
             if end == len(seq):  # the chunk reaches the newest token: this row samples
                 sample_idx.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
@@ -210,6 +221,28 @@ class ModelRunner:
         ids = h2d(input_ids, torch.int64)
         pos = h2d(positions, torch.int64)
         return ids, pos, meta, sample_idx, sample_seqs
+
+    def _verification_rows(self, seq: Sequence, num_new: int, table: list[int], input_ids, positions, slots,
+                           query_lens, seq_lens, tables, sample_idx, sample_seqs) -> None:
+        """A sequence's newest token and its drafts (speculation/), one decode row each: row j holds position
+        start + j and attends to the first start + j + 1 positions of the shared block table. Every layer stores
+        the step's K/V before it attends, so row j sees the drafts before it, as a causal chunk would; as decode
+        rows they keep the decode-only forwards (the native CPU step among them), whose per-row results do not
+        depend on what shares the step. Every row samples: row j's logits verify draft j + 1."""
+        bs = self.config.block_size
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start:] + seq.spec_token_ids
+        assert len(tokens) == num_new, f"{seq}: {num_new} tokens scheduled, {len(tokens)} to verify"
+        for j, token in enumerate(tokens):
+            pos = start + j
+            input_ids.append(token)
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            query_lens.append(1)
+            seq_lens.append(pos + 1)
+            tables.append(table)
+            sample_idx.append(len(input_ids) - 1)
+            sample_seqs.append(seq)
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         if not self.is_cuda:

@@ -14,6 +14,7 @@ from .sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens to compute now)
     preempted: list[Sequence] = field(default_factory=list)
+    drafted: list[Sequence] = field(default_factory=list)  # scheduled with draft tokens (Sequence.spec_token_ids)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -35,6 +36,7 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
         self.watermark_blocks = int(config.watermark * num_blocks)
+        self.speculating = False  # some running request has drafts (Sequence.spec_token_ids) to schedule
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -66,10 +68,19 @@ class Scheduler:
         self.running.append(child)
 
     def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        """After the forward: the scheduled tokens' KV is in the cache, and blocks it filled become shareable."""
+        """After the forward: the scheduled tokens' KV is in the cache, and blocks it filled become shareable.
+        Draft tokens are not counted yet: their KV holds only once verification accepts them (commit_drafts)."""
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
             self.bm.register_full_blocks(seq)
+
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification, the sequence's tokens now include its first num_accepted drafts: their KV is kept
+        (and full blocks published), the rejected drafts' slots are rolled back, blocks past them given back."""
+        seq.spec_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        self.bm.register_full_blocks(seq)
+        self.bm.trim(seq)
 
     # ---- the decision -----------------------------------------------------------------------
     def schedule(self, members: Collection[Sequence] | None = None) -> SchedulerOutput:
@@ -107,7 +118,11 @@ class Scheduler:
                 scheduled_ids.add(id(seq))
                 budget -= num_new
 
-        # 2. Admissions, none in a step that preempted (the pool is already too tight).
+        # 2. Draft tokens of the decodes, with what the decodes left, and never at the price of a preemption.
+        if self.speculating:
+            budget -= self._grant_drafts(out, budget, scheduled_ids)
+
+        # 3. Admissions, none in a step that preempted (the pool is already too tight).
         if out.preempted:
             return out
         if members is None:
@@ -117,6 +132,33 @@ class Scheduler:
                            key=lambda s: (s.status != SequenceStatus.PREEMPTED, s.arrival_index))
             self._admit_from(queue, budget, out)
         return out
+
+    def _grant_drafts(self, out: SchedulerOutput, budget: int, scheduled_ids: set[int]) -> int:
+        """Extend each scheduled decode that has drafts (Sequence.spec_token_ids) by as many as the token budget and
+        the free blocks above the watermark allow, in running order; other drafts are dropped. In a step that
+        preempted no drafts run: the pool is short already. Returns the budget used."""
+        self.speculating = False
+        used = 0
+        bs = self.bm.block_size
+        for i, (seq, num_new) in enumerate(out.scheduled):
+            drafts = seq.spec_token_ids
+            if not drafts:
+                continue
+            k = 0 if out.preempted or num_new != seq.num_uncomputed_tokens else min(len(drafts), budget - used)
+            if k and not self.bm.can_allocate(seq, num_new + k, reserve=self.watermark_blocks):
+                k = min(k, len(seq.block_table) * bs - seq.num_computed_tokens - num_new)  # the room its blocks have
+            seq.spec_token_ids = drafts[:k]
+            if k:
+                self.bm.allocate(seq, num_new + k)
+                out.scheduled[i] = (seq, num_new + k)
+                out.drafted.append(seq)
+                used += k
+        for seq in self.running:  # not scheduled this step (budget), or preempted and back: no drafts
+            if seq.spec_token_ids and id(seq) not in scheduled_ids:
+                seq.spec_token_ids = []
+        for seq in out.preempted:
+            seq.spec_token_ids = []
+        return used
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if self.config.static_batching:

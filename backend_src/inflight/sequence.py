@@ -79,6 +79,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, memoized by the block manager
         self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        # Draft tokens to verify in the next step (speculation/): set before scheduling, trimmed by the scheduler
+        # to what it grants, cleared once verified. Never part of token_ids until accepted.
+        self.spec_token_ids: list[int] = []
         self.is_fast_lane = False
         self.num_preemptions = 0
         self.arrival_index = next(_arrival_counter)

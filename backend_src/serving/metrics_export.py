@@ -66,6 +66,12 @@ COUNTERS = (
            "Grammar compiles the library refused (each such request got INVALID_ARG)."),
     Export("inflight:grammar_compile_timeouts_total", "grammar_compile_timeouts",
            "Requests refused because their grammar compile ran past grammar_compile_timeout_ms."),
+    Export("vllm:spec_decode_num_drafts_total", "spec_decode_num_drafts",
+           "Speculative decoding: drafts verified (one per request and step that had draft tokens)."),
+    Export("vllm:spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens",
+           "Speculative decoding: draft tokens verified."),
+    Export("vllm:spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens",
+           "Speculative decoding: draft tokens accepted (acceptance rate = this / draft tokens)."),
 )
 GAUGES = (
     Export("vllm:num_requests_running", "num_requests_running", "Number of requests in the running batch."),
@@ -87,6 +93,10 @@ PREFIX_HIT_RATE = Export("vllm:gpu_prefix_cache_hit_rate", "prefix_hit_rate",
                          "Prefix cache hit rate (hit tokens / looked-up tokens) since start.")
 REQUEST_SUCCESS = Export("vllm:request_success_total", "requests_finished_total",
                          "Count of finished requests, by finish reason.")
+SPEC_ACCEPTED_PER_POS = Export("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                               "spec_decode_num_accepted_tokens_per_pos",
+                               "Speculative decoding: drafts whose token at this position (and all before it) was "
+                               "accepted; / drafts = the acceptance rate per position.")
 
 
 def replay_values(bounds: list[float], new_counts: list[int], new_sum: float) -> list[float]:
@@ -166,6 +176,12 @@ class MetricsExporter:
             labels = {**self._labels, "finished_reason": reason}
             metric = self._metric(key, lambda labels=labels: self._sink.counter(
                 REQUEST_SUCCESS.name, REQUEST_SUCCESS.description, labels))
+            self._increment(key, metric, total)
+        for position, total in enumerate(counters[SPEC_ACCEPTED_PER_POS.source]):
+            key = f"{SPEC_ACCEPTED_PER_POS.name}/{position}"
+            labels = {**self._labels, "position": str(position)}
+            metric = self._metric(key, lambda labels=labels: self._sink.counter(
+                SPEC_ACCEPTED_PER_POS.name, SPEC_ACCEPTED_PER_POS.description, labels))
             self._increment(key, metric, total)
         for e in GAUGES + tuple(f for f in FRONTEND_GAUGES if f.source in gauges):
             self._metric(e.name, lambda e=e: self._sink.gauge(e.name, e.description, self._labels)).set(

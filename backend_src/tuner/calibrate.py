@@ -67,8 +67,10 @@ def calibrate(model: str, grid: dict, reps: int, clock: str = "wall", retries: i
     import torch
 
     threads = torch.get_num_threads()
+    # No drafts: each timed step must have exactly the shape asked for (the simulator replays no speculation).
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=max_rows + 16, max_num_batched_tokens=8192,
-                                    max_model_len=4096, num_kv_blocks=blocks, block_size=block))
+                                    max_model_len=4096, num_kv_blocks=blocks, block_size=block,
+                                    speculative_method="off"))
     vocab = engine.runner.model_config.vocab_size
     eos = engine.eos_token_ids
     rng = random.Random(0)

@@ -41,7 +41,8 @@ def measure(model: Path, sizes: list[int], num_steps: int) -> list[dict]:
     from inflight import EngineConfig, SamplingParams
     from inflight.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model), max_num_seqs=max(sizes), max_num_batched_tokens=4096))
+    engine = LLMEngine(EngineConfig(model=str(model), max_num_seqs=max(sizes), max_num_batched_tokens=4096,
+                                    speculative_method="off"))  # plain decode steps of b rows
     parts = {"scheduler": ("scheduler", "schedule"), "forward": ("runner", "execute"),
              "detokenizer": ("detokenizer", "update")}
     rows = []

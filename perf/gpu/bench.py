@@ -557,9 +557,10 @@ def check_kernels(b: Bench) -> None:
 def start_engine(b: Bench) -> None:
     t = time.perf_counter()
     load = b.load
+    # Speculation off, as auto leaves it on CUDA: the CPU smoke then runs the steps the GPU run does.
     options = dict(device=b.device, max_num_seqs=load.max_num_seqs, max_model_len=load.max_model_len,
                    max_num_batched_tokens=load.max_num_batched_tokens,
-                   gpu_memory_utilization=b.args.gpu_memory_utilization)
+                   gpu_memory_utilization=b.args.gpu_memory_utilization, speculative_method="off")
     # The CPU pool is a byte budget, and a GPU fraction would be millions of tiny-model blocks: size
     # both to the load instead.
     if not b.cuda or b.args.smoke:

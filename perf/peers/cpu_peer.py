@@ -98,6 +98,8 @@ def serve_ours(args):
     repo = ROOT / "model_repository"
     params = {"model": Path(args.ours_model).resolve(), **({"quantization": args.ours_quantization}
                                                            if args.ours_quantization != "none" else {})}
+    if args.speculative_method != "auto":
+        params["speculative_method"] = args.speculative_method
     if params != {"model": MODEL.resolve()}:  # the llm model with only these parameters changed
         repo = make_model_repository(repo, Path(args.work) / "model_repository", {"llm": params})
     with TritonServer(repo, ["--load-model=llm"], model_control_mode="explicit",
@@ -115,7 +117,9 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def serve_llama_cpp(args):
+def serve_llama_cpp(args, extra: tuple[str, ...] = (), ctx_per_slot: int = 512, log_name: str = "llama-server.log"):
+    """llama-server with args.concurrency slots; `extra` options are appended (perf.bench.spec: its n-gram
+    speculation)."""
     cache = str(ROOT / ".cache")
     binary = peer_llamacpp.server_binary(cache)
     gguf = args.peer_gguf or peer_llamacpp.f32_gguf(cache, str(Path(args.model).resolve()))
@@ -123,10 +127,11 @@ def serve_llama_cpp(args):
         gguf = peer_llamacpp.quantized_gguf(cache, gguf, "Q8_0")
     (port,) = free_ports(1)
     # Each of the -np slots gets c / np context: room for a prompt and the longest output, with margin.
-    ctx = args.concurrency * 512
+    ctx = args.concurrency * ctx_per_slot
     cmd = [binary, "-m", gguf, "-np", str(args.concurrency), "-t", str(args.threads or 2),
-           "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-    log = open(Path(args.work) / "llama-server.log", "w")
+           "-tb", str(args.threads or 2), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+           *extra]
+    log = open(Path(args.work) / log_name, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -195,6 +200,9 @@ def main() -> None:
     ap.add_argument("--quant", choices=("none", "q8_0", "q4_1"), default="none",
                     help="q8_0: ours int8 (quantized at load) vs llama.cpp's Q8_0 (llama-quantize of the F32 GGUF); "
                          "q4_1: both serve the SmolLM2 wheel's own Q4_1 GGUF")
+    ap.add_argument("--speculative-method", choices=("auto", "off"), default="off",
+                    help="ours: off by default, so both sides decode one token per pass (llama-server drafts only "
+                         "when asked; perf.bench.spec compares the two with drafts)")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--scale", type=float, default=0.25, help="scales the 20/50/200/800 output mix")
@@ -217,6 +225,7 @@ def main() -> None:
     args.warm_up = ab_workloads.build("mixed", tokenizer, args.scale, args.concurrency, seed=1)
     load = [round(x, 2) for x in os.getloadavg()]
     result: dict = {"model": Path(args.ours_model).name, "quantization": args.ours_quantization, "quant": args.quant,
+                    "speculative_method": args.speculative_method,
                     "peer_gguf": Path(args.peer_gguf).name if args.peer_gguf else args.quant if args.quant != "none"
                     else "f32",
                     "cpu": _cpu_name(), "workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,

@@ -56,7 +56,7 @@ class Result:
 class StreamClient(Protocol):
     name: str
 
-    def stream(self, prompt: str, max_tokens: int) -> Result: ...
+    def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = True) -> Result: ...
 
 
 class TritonStream:
@@ -81,9 +81,9 @@ class TritonStream:
             self._clients.append(client)
         return conn
 
-    def stream(self, prompt: str, max_tokens: int) -> Result:
+    def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = True) -> Result:
         client, inbox = self._conn()
-        inputs = make_inputs(prompt, {"max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+        inputs = make_inputs(prompt, {"max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
                                       "temperature": 0.0, "return_num_output_tokens": True})
         res = Result(time.perf_counter())
         client.async_stream_infer(self.model, inputs, request_id=str(next(self._ids)))
@@ -115,8 +115,8 @@ class LlamaCppStream:
         self.host, self.port = parsed.hostname, parsed.port
         self._local = threading.local()
 
-    def stream(self, prompt: str, max_tokens: int) -> Result:
-        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
+    def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = True) -> Result:
+        body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "stream": True, "ignore_eos": ignore_eos,
                            "temperature": 0.0})
         for attempt in (1, 2):
             conn = getattr(self._local, "conn", None)

@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     load = os.getloadavg()[0]
-    llm = LLM(args.model, max_num_seqs=args.batch, num_kv_blocks=64 * args.batch + 64, block_size=16)
+    llm = LLM(args.model, max_num_seqs=args.batch, num_kv_blocks=64 * args.batch + 64, block_size=16,
+              speculative_method="off")  # plain decode steps of the batch
     engine = decode_steps(llm, args.batch, args.prompt_len, warmup=5)
     t = time.perf_counter()
     for _ in range(args.steps):

@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    llm = LLM(args.model, max_num_seqs=args.batch, num_kv_blocks=64 * args.batch + 64, block_size=16)
+    llm = LLM(args.model, max_num_seqs=args.batch, num_kv_blocks=64 * args.batch + 64, block_size=16,
+              speculative_method="off")  # plain decode steps of the batch
     engine = decode_steps(llm, args.batch, prompt_len=32, warmup=5)
     rounds = []
     for _ in range(args.rounds):

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -403,6 +404,39 @@ def test_metrics_exist_and_agree_with_the_requests_sent(server):
         assert gauge in after
 
 
+def test_speculative_decoding_streams_the_output_of_decoding_without_it(server):
+    """The served default drafts on CPU (speculative_method auto): a repetitive greedy request streams several
+    tokens per response, its text equals the offline engine's without drafts, byte for byte streamed or not,
+    and /metrics counts the drafts with vLLM's names."""
+    from inflight import LLM, SamplingParams
+
+    prompt = "Count from 1 to 30, separated by commas: 1, 2, 3,"
+    common = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = LLM(str(SMOL), num_kv_blocks=64, max_model_len=512, speculative_method="off").generate(
+        [prompt], SamplingParams(**common), use_tqdm=False)[0]
+    before = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0, model="llm")
+    stream = Stream(server.grpc_url)
+    stream.send("llm", "streamed", prompt, **common)
+    stream.send("llm", "whole", prompt, **common, stream=False)
+    stream.send("llm", "plain", prompt, **common, parameters={"speculative_decoding": False})
+    results = stream.wait()
+    stream.close()
+    streamed, whole, plain = results["streamed"], results["whole"], results["plain"]
+    assert streamed.error is None and whole.error is None and plain.error is None
+    assert streamed.text == whole.text == plain.text == want.text
+    assert streamed.num_output_tokens == 40 and streamed.num_responses < 40, "no response carried several tokens"
+
+    def delta(m, key):
+        return m.get(key, 0) - before.get(key, 0)
+
+    after = wait_for_metrics(server, lambda m: delta(m, "vllm:e2e_request_latency_seconds_count") == 3, model="llm")
+    drafts, accepted = delta(after, "vllm:spec_decode_num_drafts_total"), \
+        delta(after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= delta(after, "vllm:spec_decode_num_draft_tokens_total")
+    per_pos = [delta(after, f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}") for i in range(3)]
+    assert per_pos[0] > 0 and per_pos == sorted(per_pos, reverse=True)
+
+
 # ---- genai-perf ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend,output_tokens", [("vllm", 8), ("tensorrtllm", 6)])
@@ -413,7 +447,6 @@ def test_genai_perf_profiles_llm(server, tmp_path, backend, output_tokens):
     every request finished by length, tokens = requests x asked). genai-perf itself counts by
     re-tokenizing the returned text, which does not always give back the same count (two tokens can
     re-tokenize as one), so its figure may differ by one for a request."""
-    before = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0, model="llm")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
     cmd = ["timeout", "240", str(ROOT / ".venv" / "bin" / "genai-perf"), "profile", "-m", "llm", "--backend", backend,
@@ -423,7 +456,15 @@ def test_genai_perf_profiles_llm(server, tmp_path, backend, output_tokens):
            "--output-tokens-mean", str(output_tokens), "--output-tokens-mean-deterministic",
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0.0",
            "--artifact-dir", str(tmp_path / "artifacts")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    for attempt in (1, 2):
+        before = wait_for_metrics(server, lambda m: m.get("vllm:num_requests_running") == 0, model="llm")
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        # genai-perf's perf_analyzer now and then leaves an empty export behind (the A/B harness retries it too,
+        # perf/ab/harness.py); once, not twice in a row, is that tool's flake rather than ours.
+        if proc.returncode and attempt == 1 and "Input is a zero-length, empty document" in proc.stdout + proc.stderr:
+            shutil.rmtree(tmp_path / "artifacts", ignore_errors=True)
+            continue
+        break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     export, = (tmp_path / "artifacts").rglob("profile_export_genai_perf.json")
     stats = json.loads(export.read_text())

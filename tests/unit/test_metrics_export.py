@@ -99,6 +99,23 @@ def test_exporter_pushes_deltas_names_and_labels():
     assert "vllm:gpu_prefix_cache_hit_rate" in names
 
 
+def test_speculative_decoding_counters_with_vllm_names_and_a_position_label():
+    m = EngineMetrics(max_num_batched_tokens=64, num_speculative_tokens=3)
+    sink = FakeSink()
+    ex = MetricsExporter(m.snapshot, sink, {"model": "llm"}, period_s=0.01)
+    m.on_spec_decode(2, 5, 3, [2, 1, 0])
+    ex.export_once()
+    m.on_spec_decode(1, 3, 3, [1, 1, 1])
+    ex.export_once()
+    assert sink.get("vllm:spec_decode_num_drafts_total").value == 3
+    assert sink.get("vllm:spec_decode_num_draft_tokens_total").value == 8
+    assert sink.get("vllm:spec_decode_num_accepted_tokens_total").value == 6
+    assert [sink.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)).value
+            for i in range(3)] == [3, 2, 1]
+    with pytest.raises(ValueError, match=r"num_accepted=4 is out of range: allowed \[0, num_draft_tokens=3\]"):
+        m.on_spec_decode(1, 3, 4, [1, 1, 1])
+
+
 def test_exporter_thread_is_the_only_caller():
     m = EngineMetrics()
     sink = FakeSink()

@@ -176,10 +176,13 @@ def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path, rows):
     """Two prompts through prefill and decode, then the longer one alone."""
     monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))
     prompts = [list(range(100, 109)), list(range(300, 340))]
-    plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=False)
+    # One token per request and step (no drafts), so the row counts are the ones the parameter names.
+    plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=False,
+                speculative_method="off")
     assert plain.engine.runner.forward is plain.engine.runner.model
     want_tokens, want_logits = _generate(plain, prompts, 12)
-    native = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=True)
+    native = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=True,
+                 speculative_method="off")
     forward = native.engine.runner.forward
     assert isinstance(forward, native_decode.NativeDecodeForward)
     got_tokens, got_logits = _generate(native, prompts, 12)

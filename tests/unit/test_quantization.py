@@ -13,8 +13,8 @@ from engine_helpers import ROOT, SMOLLM2, TINY, TINY_GEMMA3, assert_pool_whole
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
 from inflight.model.native_decode import quant_product
-from inflight.model.quant import (BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, quantize_int4, quantize_int8,
-                                  quantized_bytes)
+from inflight.model.quant import (BF16, BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, quantize_int4,
+                                  quantize_int8, quantized_bytes, to_bf16)
 
 SMOL_Q4_1 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -38,14 +38,15 @@ def test_quantization_error_is_within_half_a_step(make):
     assert bool((err <= steps / 2 + 1e-6).all()), "a weight rounded to a farther step than the nearest"
 
 
-@pytest.mark.parametrize("kind", ["int8-channel", "int8-32", "int4"])
+@pytest.mark.parametrize("kind", ["int8-channel", "int8-32", "int4", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9])
 def test_native_product_equals_the_dequantized_weights_product(product, kind, rows):
     """Against float64 over the dequantized weight, at the precision of a float32 dot product; rows 5-9 cross the
     4-row blocks, and 200 inputs (int8 per channel) leave a tail past the last 16."""
     inp = 200 if kind == "int8-channel" else 256
     w = _weight(96, inp, seed=rows)
-    q = {"int8-channel": quantize_int8, "int8-32": lambda x: quantize_int8(x, 32), "int4": quantize_int4}[kind](w)
+    q = {"int8-channel": quantize_int8, "int8-32": lambda x: quantize_int8(x, 32), "int4": quantize_int4,
+         "bf16": to_bf16}[kind](w)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(7))
     bias = torch.randn(96)
     got = product(x, q, bias)
@@ -53,7 +54,7 @@ def test_native_product_equals_the_dequantized_weights_product(product, kind, ro
     torch.testing.assert_close(got, exact, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4])
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4, to_bf16])
 def test_a_rows_result_does_not_depend_on_its_batch(product, make):
     """Every row sums in the same lanes and order whatever shares the call: bit for bit alone and among 7."""
     q = make(_weight(64, 256))
@@ -63,8 +64,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(product, make):
         torch.testing.assert_close(product(x[r:r + 1], q, None)[0], together[r], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4],
-                         ids=["int8-channel", "int8-32", "int4"])
+@pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4, to_bf16],
+                         ids=["int8-channel", "int8-32", "int4", "bf16"])
 def test_tiles_round_trip_and_many_rows(product, make):
     """The tiled layout gives the plain one back; 40 rows (several row blocks of 6 / 3) and 300 outputs (a last
     tile of 12) multiply right."""
@@ -165,3 +166,23 @@ def test_gguf_of_every_kept_type_loads_and_matches_its_dequantized_weights(tmp_p
         assert q.generate([ids], greedy, use_tqdm=False)[0].token_ids == \
             ref.generate([ids], greedy, use_tqdm=False)[0].token_ids, qtype
         assert q.engine.runner.model.is_quantized
+
+
+def test_bfloat16_on_cpu_stores_bf16_weights_and_computes_in_float32(tmp_path):
+    """dtype=bfloat16 on CPU: every weight in bf16 (half the bytes), activations and KV in float32; the greedy
+    output is that of a float32 engine over the same weights rounded to bf16."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+    rounded = tmp_path / "bf16-rounded"
+    shutil.copytree(TINY, rounded)
+    state = load_file(str(rounded / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).float() for k, v in state.items()}, str(rounded / "model.safetensors"),
+              metadata={"format": "pt"})
+    bf16 = LLM(TINY, dtype="bfloat16", num_kv_blocks=64)
+    runner = bf16.engine.runner
+    assert runner.dtype == torch.float32 and runner.kv_caches[0][0].dtype == torch.float32
+    assert {m.quant.kind for m in runner.model.modules() if getattr(m, "quant", None) is not None} == {BF16}
+    ids = bf16.tokenizer.encode("The capital of France is a city of museums and parks, and of")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(str(rounded), num_kv_blocks=64).generate([ids, ids[:5]], greedy, use_tqdm=False)
+    assert [o.token_ids for o in bf16.generate([ids, ids[:5]], greedy, use_tqdm=False)] == [o.token_ids for o in want]

@@ -111,7 +111,9 @@ def _engine_decisions(options: dict, reqs: list[SimRequest]) -> list[tuple[list,
     from tuner.sim import engine_config
 
     names = set(EngineConfig.__dataclass_fields__)
-    cfg = engine_config({**{k: v for k, v in options.items() if k in names}, "model": TINY})
+    # The simulator replays the scheduler without drafts: the engine it is compared with drafts none either.
+    cfg = engine_config({**{k: v for k, v in options.items() if k in names}, "model": TINY,
+                         "speculative_method": "off"})
     engine = LLMEngine(cfg)
     decisions = []
     original = engine.scheduler.schedule

@@ -32,13 +32,7 @@ class GemmaRMSNorm(DirectCall):
 
 
 class Gemma3Attention(Attention):
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
-        super().__init__(cfg, layer)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        return torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class Gemma3DecoderLayer(DirectCall):

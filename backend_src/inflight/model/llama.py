@@ -64,8 +64,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(DirectCall):
+    # A family with per-head q/k norms before RoPE (Qwen3, Gemma 3) names its norm class here.
+    qk_norm_cls: type | None = None
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        if self.qk_norm_cls is not None:
+            self.q_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -86,8 +92,10 @@ class Attention(DirectCall):
         return qk[:, :self.num_heads], qk[:, self.num_heads:], v
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        """Per-head q/k normalisation before RoPE: none in the Llama family (qwen3.py, gemma3.py add one)."""
-        return qk
+        """Per-head q/k normalisation before RoPE, where the family has one (qk_norm_cls)."""
+        if self.qk_norm_cls is None:
+            return qk
+        return torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-INT8, INT4 = "int8", "int4"
+INT8, INT4, BF16 = "int8", "int4", "bf16"
 BLOCK = 32  # inputs per scale of a 4-bit weight, and of GGUF's Q8_0
-_KINDS = {INT8: 1, INT4: 2}  # native.h: Q_INT8, Q_INT4
+_KINDS = {INT8: 1, INT4: 2, BF16: 3}  # native.h: Q_INT8, Q_INT4, Q_BF16
 
 
 TILE = 16  # output rows per tile of the native layout (native.h)
@@ -31,7 +31,8 @@ class QuantizedWeight:
     Built from the plain layout: int8 q [out, in], group = in (per output channel) or a multiple of 32 dividing
     in; 4-bit q uint8 [out, in // 2] in GGUF's order (byte j of a 32-input block: input j in the low nibble,
     input j + 16 in the high one), scale and min [out, in // 32] (Q4_0's w = d (q - 8) as min = -8 d). Stored
-    in the native product's tiles of 16 outputs (native.h); `plain()` gives the plain layout back."""
+    in the native product's tiles of 16 outputs (native.h); `plain()` gives the plain layout back. bf16 (CPU
+    `dtype: bfloat16`): q the weight's bfloat16 bits as int16 [out, in], no scale (group = in)."""
     kind: str
     q: torch.Tensor
     scale: torch.Tensor
@@ -45,6 +46,10 @@ class QuantizedWeight:
             raise ValueError(f"int8 group={self.group} must be the row ({inp}) or a multiple of 32 that divides it")
         if self.kind == INT4 and (inp % BLOCK or self.group != BLOCK or self.min is None):
             raise ValueError(f"4-bit weights need blocks of {BLOCK} inputs with a min: in={inp}")
+        if self.kind == BF16:
+            self.out_features, self.q = out, _tiles(self.q).contiguous()
+            self.native = _QWeight(_KINDS[BF16], inp, self.q.data_ptr(), None, None)
+            return
         if self.scale.shape != (out, -(-inp // self.group)):
             raise ValueError(f"scale shape {tuple(self.scale.shape)} does not fit {out} x {inp} with group "
                              f"{self.group}")
@@ -64,9 +69,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
-    def plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def plain(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(q, scale, min) in the layout the constructor takes."""
         out = self.out_features
+        if self.kind == BF16:
+            return _untile(self.q)[:out], None, None
         if self.kind == INT8:
             per_output = self.group == self.in_features
             scale = self.scale[:out, None] if per_output else _untile(self.scale)[:out]
@@ -80,6 +87,8 @@ class QuantizedWeight:
         """The float32 weight [out, in], or only the given rows (an embedding lookup): q * scale (+ min)."""
         rows = torch.arange(self.out_features) if rows is None else rows
         tile, lane = rows // TILE, rows % TILE
+        if self.kind == BF16:
+            return self.q[tile, :, lane].view(torch.bfloat16).float()
         if self.kind == INT8:
             q = self.q[tile, :, lane].float()  # [n, in]
             if self.group == self.in_features:
@@ -147,8 +156,14 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(INT4, packed.reshape(out, inp // 2), d, lo, BLOCK, inp)
 
 
+def to_bf16(weight: torch.Tensor) -> QuantizedWeight:
+    """The weight rounded to bfloat16 (round to nearest even, as torch casts), kept as its bits."""
+    w = weight.detach().to(torch.bfloat16).view(torch.int16)
+    return QuantizedWeight(BF16, w, None, None, w.shape[1], w.shape[1])
+
+
 def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    return quantize_int8(weight) if kind == INT8 else quantize_int4(weight)
+    return {INT8: quantize_int8, INT4: quantize_int4, BF16: to_bf16}[kind](weight)
 
 
 # GGUF block layouts (ggml-common.h): Q8_0 = fp16 d + 32 int8; Q4_0 = fp16 d + 16 bytes; Q4_1 = fp16 d, fp16 m + 16.
@@ -207,17 +222,18 @@ class QuantizedEmbedding(torch.nn.Module):
 
 
 def quantize_model(model: torch.nn.Module, kind: str) -> None:
-    """Every linear of the model in place, and its embedding. The lm_head and the embedding take int8 whatever
-    `kind` is, as llama.cpp's 4-bit files keep them at 6-8 bits: the logits are where 4 bits cost most."""
+    """Every linear of the model in place, and its embedding. With int4 the lm_head and the embedding take int8,
+    as llama.cpp's 4-bit files keep them at 6-8 bits: the logits are where 4 bits cost most."""
     from .linear import Linear
     tied = model.lm_head.weight is model.embed_tokens.weight
+    edge = INT8 if kind == INT4 else kind
     for name, linear in model.named_modules():
         if isinstance(linear, Linear) and linear.quant is None:
-            linear.quant = quantize(linear.weight, INT8 if name == "lm_head" else kind)
+            linear.quant = quantize(linear.weight, edge if name == "lm_head" else kind)
     if tied:
         model.embed_tokens = QuantizedEmbedding(model.lm_head.quant)
     elif not isinstance(model.embed_tokens, QuantizedEmbedding):
-        model.embed_tokens = QuantizedEmbedding(quantize_int8(model.embed_tokens.weight))
+        model.embed_tokens = QuantizedEmbedding(quantize(model.embed_tokens.weight, edge))
     release_float_weights(model)
     # The float tensors left (norms, biases) may be views of the checkpoint's memory map: copied, the map (the
     # whole float32 file) can go.

@@ -27,8 +27,9 @@ typedef struct {
  *   [tiles][in / group][16] (group 32: GGUF's Q8_0).
  * Q_INT4: q [tiles][in][8] bytes, byte j holding output j in its low nibble and output j + 8 in its high one;
  *   scale (d) and min (m) [tiles][in / 32][16]: w = d q + m per block of 32 inputs (Q4_0's w = d (q - 8) has
- *   m = -8 d). */
-enum { Q_INT8 = 1, Q_INT4 = 2 };
+ *   m = -8 d).
+ * Q_BF16: q bfloat16 bits [tiles][in][16], no scale: CPU `dtype: bfloat16` weights, widened exactly. */
+enum { Q_INT8 = 1, Q_INT4 = 2, Q_BF16 = 3 };
 
 typedef struct {
     int32_t kind, group;

@@ -5,17 +5,16 @@
  * two vectors of weights, and one broadcast input value feeds 16 outputs' fused multiply-adds: each output sums
  * its inputs in order, in its own lane, with no horizontal additions. Several input rows share each widened
  * weight vector (up to six), so at 16 rows the product is bound by arithmetic at a rate close to oneDNN's float32
- * GEMM, and at one row (four tiles in flight) by the memory streaming a quarter (int8) or about a seventh (4-bit)
- * of float32's bytes. Scales are applied to sums, not weights: per output for int8 per channel, per 32 inputs
- * otherwise (4-bit: d * sum(q x) + m * sum(x)). An output's arithmetic does not depend on the other rows of its
- * step, so a request's logits do not depend on its batch.
+ * GEMM, and at one row (several tiles in flight) by the memory streaming a quarter (int8) or about a seventh
+ * (4-bit) of float32's bytes. A per-output int8 scale goes on the output's sum; per-32 scales (Q8_0: q * s;
+ * 4-bit: q * d + m) widen each weight in registers once for all the rows. An output's arithmetic does not depend
+ * on the other rows of its step, so a request's logits do not depend on its batch.
  *
  * This file alone is compiled with FMA contraction (the pragma below): the decode step's elementwise math
  * (decode_step.c) stays uncontracted, to round as torch does.
  */
 #pragma GCC optimize("fp-contract=fast")
 #include <omp.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
@@ -38,6 +37,14 @@ typedef int32_t v8si __attribute__((vector_size(32)));
 INLINE v8 int8_to_float(const int8_t *p) {
     const v8si i = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
     return __builtin_convertvector(i, v8);
+}
+
+/* Eight bfloat16 values widened to float32 (exact: their bits are a float32's top half). */
+INLINE v8 bf16_to_float(const uint16_t *p) {
+    const v8si bits = (v8si){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]} << 16;
+    v8 f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 INLINE v8si bytes(const uint8_t *p) { return (v8si){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
@@ -87,34 +94,23 @@ INLINE void tiles_q8_channel(const int R, const int T, const float *x, int in, c
     }
 }
 
-/* int8, a scale per `group` inputs (GGUF's Q8_0: 32): each group's sums scaled, then added. */
-INLINE void tiles_q8_group(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
-                           int out) {
-    v8 acc[3][2][2] = {{{{0}}}};
-    const int groups = in / w->group;
-    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
-    for (int g = 0; g < groups; g++) {
-        v8 part[3][2][2] = {{{{0}}}};
-        for (int i = g * w->group; i < (g + 1) * w->group; i++) {
-            v8 wv[2][2];
-            for (int t = 0; t < T; t++) {
-                const int8_t *p = q + ((int64_t)t * in + i) * TILE;
-                wv[t][0] = int8_to_float(p);
-                wv[t][1] = int8_to_float(p + 8);
-            }
-            for (int r = 0; r < R; r++) {
-                const float xv = x[(int64_t)r * in + i];
-                for (int t = 0; t < T; t++) {
-                    part[r][t][0] += wv[t][0] * xv;
-                    part[r][t][1] += wv[t][1] * xv;
-                }
-            }
-        }
+/* bfloat16 weights, no scale: R rows x T tiles starting at tile t0. */
+INLINE void tiles_bf16(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
+                       int out) {
+    v8 acc[6][4][2] = {{{{0}}}};
+    const uint16_t *q = (const uint16_t *)w->q + (int64_t)t0 * in * TILE;
+    for (int i = 0; i < in; i++) {
+        v8 wv[4][2];
         for (int t = 0; t < T; t++) {
-            const float *s = w->scale + ((int64_t)(t0 + t) * groups + g) * TILE;
-            for (int r = 0; r < R; r++) {
-                acc[r][t][0] += load(s) * part[r][t][0];
-                acc[r][t][1] += load(s + 8) * part[r][t][1];
+            const uint16_t *p = q + ((int64_t)t * in + i) * TILE;
+            wv[t][0] = bf16_to_float(p);
+            wv[t][1] = bf16_to_float(p + 8);
+        }
+        for (int r = 0; r < R; r++) {
+            const float xv = x[(int64_t)r * in + i];
+            for (int t = 0; t < T; t++) {
+                acc[r][t][0] += wv[t][0] * xv;
+                acc[r][t][1] += wv[t][1] * xv;
             }
         }
     }
@@ -122,37 +118,70 @@ INLINE void tiles_q8_group(const int R, const int T, const float *x, int in, con
         for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
 }
 
-/* 4-bit, blocks of 32 inputs: d * sum(q x) + m * sum(x) per block, with each row's block sums of x in xsum. */
-INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWeight *w, const float *xsum, int t0,
-                     float *y, int out) {
-    v8 acc[3][2][2] = {{{{0}}}};
+/* int8, a scale per `group` inputs (GGUF's Q8_0: 32): each weight widened and scaled in registers (q * s, shared
+ * by the rows), then multiplied. */
+INLINE void tiles_q8_group(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
+                           int out) {
+    v8 acc[4][2][2] = {{{{0}}}};
+    const int groups = in / w->group;
+    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
+    for (int g = 0; g < groups; g++) {
+        v8 s[2][2];
+        for (int t = 0; t < T; t++) {
+            const float *sp = w->scale + ((int64_t)(t0 + t) * groups + g) * TILE;
+            s[t][0] = load(sp);
+            s[t][1] = load(sp + 8);
+        }
+        for (int i = g * w->group; i < (g + 1) * w->group; i++) {
+            v8 wv[2][2];
+            for (int t = 0; t < T; t++) {
+                const int8_t *p = q + ((int64_t)t * in + i) * TILE;
+                wv[t][0] = int8_to_float(p) * s[t][0];
+                wv[t][1] = int8_to_float(p + 8) * s[t][1];
+            }
+            for (int r = 0; r < R; r++) {
+                const float xv = x[(int64_t)r * in + i];
+                for (int t = 0; t < T; t++) {
+                    acc[r][t][0] += wv[t][0] * xv;
+                    acc[r][t][1] += wv[t][1] * xv;
+                }
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
+}
+
+/* 4-bit, blocks of 32 inputs: each weight widened in registers as q * d + m (shared by the rows), then
+ * multiplied. */
+INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
+                     int out) {
+    v8 acc[4][2][2] = {{{{0}}}};
     const int blocks = in / 32;
     const uint8_t *q = (const uint8_t *)w->q + (int64_t)t0 * in * (TILE / 2);
     for (int b = 0; b < blocks; b++) {
-        v8 part[3][2][2] = {{{{0}}}};
+        v8 d[2][2], m[2][2];
+        for (int t = 0; t < T; t++) {
+            const int64_t at = ((int64_t)(t0 + t) * blocks + b) * TILE;
+            d[t][0] = load(w->scale + at);
+            d[t][1] = load(w->scale + at + 8);
+            m[t][0] = load(w->min + at);
+            m[t][1] = load(w->min + at + 8);
+        }
         for (int i = b * 32; i < b * 32 + 32; i++) {
             v8 wv[2][2];
             for (int t = 0; t < T; t++) {
                 /* byte j: output j in the low nibble, output j + 8 in the high one */
                 const v8si v = bytes(q + ((int64_t)t * in + i) * (TILE / 2));
-                wv[t][0] = to_float(v & 15);
-                wv[t][1] = to_float(v >> 4);
+                wv[t][0] = to_float(v & 15) * d[t][0] + m[t][0];
+                wv[t][1] = to_float(v >> 4) * d[t][1] + m[t][1];
             }
             for (int r = 0; r < R; r++) {
                 const float xv = x[(int64_t)r * in + i];
                 for (int t = 0; t < T; t++) {
-                    part[r][t][0] += wv[t][0] * xv;
-                    part[r][t][1] += wv[t][1] * xv;
+                    acc[r][t][0] += wv[t][0] * xv;
+                    acc[r][t][1] += wv[t][1] * xv;
                 }
-            }
-        }
-        for (int t = 0; t < T; t++) {
-            const int64_t at = ((int64_t)(t0 + t) * blocks + b) * TILE;
-            const float *d = w->scale + at, *m = w->min + at;
-            for (int r = 0; r < R; r++) {
-                const float sx = xsum[(int64_t)r * blocks + b];
-                acc[r][t][0] += load(d) * part[r][t][0] + load(m) * sx;
-                acc[r][t][1] += load(d + 8) * part[r][t][1] + load(m + 8) * sx;
             }
         }
     }
@@ -160,54 +189,61 @@ INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWe
         for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
 }
 
-/* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency); more
- * rows take one tile at a time, as many rows as the registers hold. */
-QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, const float *xsum, int t0, int t1,
-                              int out, float *y) {
-    const int blocks = in / 32;
+/* `rows` input rows of tile t through KERNEL, up to six (or four) at a time: each R a constant of its own call. */
+#define SIX_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                         \
+    for (int r = 0; r < (rows);) {                                                              \
+        const int R = (rows) - r >= 6 ? 6 : (rows) - r;                                        \
+        const float *xr = (x) + (int64_t)r * (in);                                             \
+        float *yr = (y) + (int64_t)r * (out);                                                  \
+        switch (R) {                                                                           \
+            case 6: KERNEL(6, 1, xr, in, w, t, yr, out); break;                                \
+            case 5: KERNEL(5, 1, xr, in, w, t, yr, out); break;                                \
+            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
+            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
+            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
+            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
+        }                                                                                      \
+        r += R;                                                                                \
+    }
+#define FOUR_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                        \
+    for (int r = 0; r < (rows);) {                                                              \
+        const int R = (rows) - r >= 4 ? 4 : (rows) - r;                                        \
+        const float *xr = (x) + (int64_t)r * (in);                                             \
+        float *yr = (y) + (int64_t)r * (out);                                                  \
+        switch (R) {                                                                           \
+            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
+            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
+            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
+            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
+        }                                                                                      \
+        r += R;                                                                                \
+    }
+
+/* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency): four
+ * where the registers allow, two for the per-32 kinds; more rows take one tile at a time, as many rows as 16
+ * registers hold (six for the kinds with one scale per output or none, four for the per-32 kinds). */
+QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, int t0, int t1, int out, float *y) {
+    const int per_output = w->kind == Q_BF16 || (w->kind == Q_INT8 && w->group >= in);
     for (int t = t0; t < t1;) {
-        if (w->kind == Q_INT8 && w->group >= in) {
+        if (per_output) {
             if (n == 1 && t + 4 <= t1) {
-                tiles_q8_channel(1, 4, x, in, w, t, y, out);
+                if (w->kind == Q_BF16) tiles_bf16(1, 4, x, in, w, t, y, out);
+                else tiles_q8_channel(1, 4, x, in, w, t, y, out);
                 t += 4;
-                continue;
-            }
-            for (int r = 0; r < n;) {
-                const int R = n - r >= 6 ? 6 : n - r;
-                const float *xr = x + (int64_t)r * in;
-                float *yr = y + (int64_t)r * out;
-                switch (R) {
-                    case 6: tiles_q8_channel(6, 1, xr, in, w, t, yr, out); break;
-                    case 5: tiles_q8_channel(5, 1, xr, in, w, t, yr, out); break;
-                    case 4: tiles_q8_channel(4, 1, xr, in, w, t, yr, out); break;
-                    case 3: tiles_q8_channel(3, 1, xr, in, w, t, yr, out); break;
-                    case 2: tiles_q8_channel(2, 1, xr, in, w, t, yr, out); break;
-                    default: tiles_q8_channel(1, 1, xr, in, w, t, yr, out); break;
-                }
-                r += R;
-            }
-            t++;
-            continue;
-        }
-        const int pair = n == 1 && t + 2 <= t1; /* one row: two tiles in flight */
-        for (int r = 0; r < n;) {
-            const int R = pair ? 1 : n - r >= 3 ? 3 : n - r;
-            const float *xr = x + (int64_t)r * in, *xs = xsum ? xsum + (int64_t)r * blocks : NULL;
-            float *yr = y + (int64_t)r * out;
-            if (w->kind == Q_INT4) {
-                if (pair) tiles_q4(1, 2, xr, in, w, xs, t, yr, out);
-                else if (R == 3) tiles_q4(3, 1, xr, in, w, xs, t, yr, out);
-                else if (R == 2) tiles_q4(2, 1, xr, in, w, xs, t, yr, out);
-                else tiles_q4(1, 1, xr, in, w, xs, t, yr, out);
             } else {
-                if (pair) tiles_q8_group(1, 2, xr, in, w, t, yr, out);
-                else if (R == 3) tiles_q8_group(3, 1, xr, in, w, t, yr, out);
-                else if (R == 2) tiles_q8_group(2, 1, xr, in, w, t, yr, out);
-                else tiles_q8_group(1, 1, xr, in, w, t, yr, out);
+                if (w->kind == Q_BF16) SIX_AT_A_TIME(tiles_bf16, n, x, in, w, t, y, out)
+                else SIX_AT_A_TIME(tiles_q8_channel, n, x, in, w, t, y, out)
+                t++;
             }
-            r += R;
+        } else if (n == 1 && t + 2 <= t1) {
+            if (w->kind == Q_INT4) tiles_q4(1, 2, x, in, w, t, y, out);
+            else tiles_q8_group(1, 2, x, in, w, t, y, out);
+            t += 2;
+        } else {
+            if (w->kind == Q_INT4) FOUR_AT_A_TIME(tiles_q4, n, x, in, w, t, y, out)
+            else FOUR_AT_A_TIME(tiles_q8_group, n, x, in, w, t, y, out)
+            t++;
         }
-        t += pair ? 2 : 1;
     }
 }
 
@@ -219,19 +255,6 @@ int q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *
         else
             memset(y + (int64_t)r * out, 0, sizeof(float) * out);
     }
-    /* 4-bit: each row's sums of x per block of 32, for the blocks' min terms (once per call, not per tile). */
-    float *xsum = NULL;
-    const int blocks = in / 32;
-    if (w->kind == Q_INT4) {
-        xsum = malloc(sizeof(float) * ((int64_t)n * blocks + 1));
-        if (!xsum) return -1;
-        for (int r = 0; r < n; r++)
-            for (int b = 0; b < blocks; b++) {
-                float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += x[(int64_t)r * in + b * 32 + j];
-                xsum[(int64_t)r * blocks + b] = s;
-            }
-    }
     const int tiles = (out + TILE - 1) / TILE;
 #pragma omp parallel num_threads(m->threads)
     {
@@ -240,10 +263,8 @@ int q_linear_rows(const Model *m, int n, const float *x, int in, const QWeight *
         /* Rows in blocks that stay in cache while the thread's tiles stream past them: one pass per block. */
         for (int r0 = 0; r0 < n && t0 < t1; r0 += ROW_BLOCK) {
             const int rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
-            q_tiles(rows, x + (int64_t)r0 * in, in, w, xsum ? xsum + (int64_t)r0 * blocks : NULL, t0, t1, out,
-                    y + (int64_t)r0 * out);
+            q_tiles(rows, x + (int64_t)r0 * in, in, w, t0, t1, out, y + (int64_t)r0 * out);
         }
     }
-    free(xsum);
     return 0;
 }
