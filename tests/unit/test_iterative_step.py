@@ -356,3 +356,33 @@ def test_a_second_request_under_a_clients_own_sequence_id_gets_an_error_final(en
     triton.run(runner)
     assert triton.final("first")[2] is None
     assert_pool_whole(engine)
+
+
+def test_members_draft_and_verify_like_the_in_flight_loop():
+    """Speculation under Triton's membership: a member held back keeps no drafts, the others draft; the texts are
+    those of decoding without drafts and the pool is whole (rolled-back draft slots included)."""
+    from inflight.sequence import SamplingParams
+    prompts = {"count": ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,", 24),
+               "echo": ("a b c d a b c d a b c d a b", 16)}
+    plain = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, speculative_method="off"))
+    expected = reference_texts(plain, prompts)
+    drafting = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, speculative_method="ngram",
+                                      num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
+    drafting.step_hook = lambda: drafting.block_manager.check_invariants(list(drafting.seqs.values()))
+    triton = FakeTriton()
+    runner = make(drafting, triton)
+    for name, (prompt, n) in prompts.items():
+        triton.submit(name, prompt, max_tokens=n, temperature=0.0, ignore_eos=True, stream=True)
+    triton.execute(runner, ["count", "echo"])
+    echo = drafting.seqs[runner.sequences[triton.cids["echo"]].live.internal_id]
+    for _ in range(3):  # echo held back: it neither moves nor holds drafts while count steps alone
+        held = echo.num_output_tokens
+        triton.execute(runner, ["count", None])
+        assert echo.num_output_tokens == held and not echo.spec_token_ids
+    triton.run(runner)
+    for name in prompts:
+        assert triton.final(name)[2] is None
+        assert triton.text(name) == expected[name] and expected[name]
+    counters = drafting.metrics.snapshot()["counters"]
+    assert counters["spec_decode_num_draft_tokens"] > 0, counters
+    assert_pool_whole(drafting)
