@@ -170,8 +170,9 @@ def _thread_cpu_s(pid: int) -> dict[int, float]:
 
 def _stub_pid(server_pid: int, model: str) -> int:
     from server_harness.process import STUB_ARG_PARENT, python_stubs
-    for pid, argv in python_stubs():
-        if len(argv) > 8 and argv[STUB_ARG_PARENT] == str(server_pid) and argv[8].startswith(f"{model}_"):
+    for pid, argv in python_stubs():  # argv[1]: <repository>/<model>/<version>/model.py ("llm_" prefixes others)
+        if len(argv) > STUB_ARG_PARENT and argv[STUB_ARG_PARENT] == str(server_pid) and \
+                Path(argv[1]).parts[-3:-2] == (model,):
             return pid
     raise RuntimeError(f"no python-backend stub of model {model} under server {server_pid}")
 
