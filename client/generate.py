@@ -80,22 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tensor(name: str, value, datatype: str) -> grpcclient.InferInput:
+def _tensor(name: str, value, datatype: str, batch_dim: bool = False) -> grpcclient.InferInput:
     if datatype == "BYTES":
         values = value if isinstance(value, list) else [value]
         array = np.array([v.encode("utf-8") for v in values], dtype=np.object_)
     else:
         array = np.array([value], dtype={"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64,
                                           "BOOL": np.bool_}[datatype])
+    if batch_dim:  # a batching model (llm_iterative: max_batch_size > 0) takes [1, ...]
+        array = array[None, ...]
     tensor = grpcclient.InferInput(name, list(array.shape), datatype)
     tensor.set_data_from_numpy(array)
     return tensor
 
 
 def build_inputs(prompt: str, args: argparse.Namespace) -> list[grpcclient.InferInput]:
-    inputs = [_tensor("text_input", prompt, "BYTES"), _tensor("stream", not args.no_stream, "BOOL"),
-              _tensor("return_num_output_tokens", True, "BOOL"), _tensor("return_finish_reason", True, "BOOL"),
-              _tensor("apply_chat_template", not args.raw, "BOOL")]
+    return [_tensor(*spec, args.batch_dim) for spec in _input_specs(prompt, args)]
+
+
+def _input_specs(prompt: str, args: argparse.Namespace) -> list[tuple]:
+    inputs = [("text_input", prompt, "BYTES"), ("stream", not args.no_stream, "BOOL"),
+              ("return_num_output_tokens", True, "BOOL"), ("return_finish_reason", True, "BOOL"),
+              ("apply_chat_template", not args.raw, "BOOL")]
     optional = [("max_tokens", args.max_tokens, "INT32"), ("min_tokens", args.min_tokens, "INT32"),
                 ("temperature", args.temperature, "FP32"), ("top_p", args.top_p, "FP32"),
                 ("top_k", args.top_k, "INT32"), ("seed", args.seed, "UINT64"),
@@ -103,11 +109,11 @@ def build_inputs(prompt: str, args: argparse.Namespace) -> list[grpcclient.Infer
                 ("presence_penalty", args.presence_penalty, "FP32"),
                 ("frequency_penalty", args.frequency_penalty, "FP32"), ("priority", args.priority, "INT32"),
                 ("stop_words", args.stop or None, "BYTES"), ("bad_words", args.bad_word or None, "BYTES")]
-    inputs += [_tensor(name, value, dt) for name, value, dt in optional if value is not None]
+    inputs += [(name, value, dt) for name, value, dt in optional if value is not None]
     if args.ignore_eos:
-        inputs.append(_tensor("ignore_eos", True, "BOOL"))
+        inputs.append(("ignore_eos", True, "BOOL"))
     if args.include_input:
-        inputs.append(_tensor("exclude_input_in_output", False, "BOOL"))
+        inputs.append(("exclude_input_in_output", False, "BOOL"))
     return inputs
 
 
@@ -130,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     live = args.concurrency == 1 and not args.quiet  # interleaved tokens of several streams are unreadable
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
+    args.batch_dim = client.get_model_config(args.model).config.max_batch_size > 0
     # tritonclient calls the stream callback with keyword arguments result= and error=.
     client.start_stream(callback=lambda result=None, error=None: events.put((time.monotonic(), result, error)))
     tracked = [Tracked(i, p) for i, p in enumerate(prompts)]
@@ -176,12 +183,13 @@ def run(args: argparse.Namespace) -> int:
                     t.error = str(error)
                     final = True
                 else:
-                    piece = (result.as_numpy("text_output")[0] or b"").decode("utf-8", errors="replace")
+                    # .reshape(-1): a batching model's outputs carry the batch dimension
+                    piece = (result.as_numpy("text_output").reshape(-1)[0] or b"").decode("utf-8", errors="replace")
                     n = result.as_numpy("num_output_tokens")
-                    t.num_tokens += int(n[0]) if n is not None else 0
+                    t.num_tokens += int(n.reshape(-1)[0]) if n is not None else 0
                     reason = result.as_numpy("finish_reason")
-                    if reason is not None and reason[0] != b"None":  # "None" until the last response
-                        t.finish_reason = reason[0].decode()
+                    if reason is not None and reason.reshape(-1)[0] != b"None":  # "None" until the last response
+                        t.finish_reason = reason.reshape(-1)[0].decode()
                     if piece and t.first_at is None:
                         t.first_at = now
                     t.text.append(piece)

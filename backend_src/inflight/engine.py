@@ -211,14 +211,18 @@ class LLMEngine:
         self.timer = self.runner.timer = timer or NULL_TIMER
 
     # ---- one iteration ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, members: set[Sequence] | None = None) -> list[RequestOutput]:
+        """One iteration over the requests the scheduler picks, or over exactly `members` (live sequences) when
+        the caller decides membership (the iterative-sequence arm: Triton hands each execute its requests)."""
         t0 = time.monotonic()
         timer = self.timer
         timer.start()
         refused = self._check_grammars(t0)
-        if self.speculator is not None:
-            self.scheduler.speculating = self.speculator.propose(self.scheduler.running)
-        sched = self.scheduler.schedule()
+        if self.speculator is not None:  # drafts only for this step's members when Triton picks them
+            candidates = self.scheduler.running if members is None else [
+                s for s in self.scheduler.running if s in members]
+            self.scheduler.speculating = self.speculator.propose(candidates)
+        sched = self.scheduler.schedule(members)
         for _ in sched.preempted:
             self.metrics.on_preemption()
         if sched.is_empty:

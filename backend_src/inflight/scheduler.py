@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Collection
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -82,13 +83,18 @@ class Scheduler:
         self.bm.trim(seq)
 
     # ---- the decision -----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, members: Collection[Sequence] | None = None) -> SchedulerOutput:
+        """One step's decision. `members`: someone else (Triton's iterative sequence batcher) decided who is in
+        this step; only they are scheduled, new ones among them admitted in arrival order (no fast lane, no
+        priorities), and everyone else keeps its KV untouched until it is handed in again. The token budget,
+        chunked prefill, prefix hits and preemption work as always: they decide how much of each member runs."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        running = self.running if members is None else [s for s in self.running if s in members]
 
         # 1. Running requests: decodes first (they are latency-bound), then unfinished prefill chunks.
-        for seq in sorted(self.running, key=lambda s: s.is_prefilling):
+        for seq in sorted(running, key=lambda s: s.is_prefilling):
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
@@ -117,8 +123,14 @@ class Scheduler:
             budget -= self._grant_drafts(out, budget, scheduled_ids)
 
         # 3. Admissions, none in a step that preempted (the pool is already too tight).
-        if not out.preempted:
+        if out.preempted:
+            return out
+        if members is None:
             self._admit(out, budget)
+        else:  # preempted members first (they held KV before), then by arrival
+            queue = sorted((s for s in self.waiting if s in members),
+                           key=lambda s: (s.status != SequenceStatus.PREEMPTED, s.arrival_index))
+            self._admit_from(queue, budget, out)
         return out
 
     def _grant_drafts(self, out: SchedulerOutput, budget: int, scheduled_ids: set[int]) -> int:

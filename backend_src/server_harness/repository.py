@@ -16,8 +16,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 INFLIGHT_MODEL = "llm"
 DYNAMIC_MODEL = "llm_ensemble"
+ITERATIVE_MODEL = "llm_iterative"
 ARM_MODELS = ("llm", "preprocessing", "llm_dynamic", "postprocessing", "llm_ensemble")
-ENGINE_MODELS = ("llm", "llm_dynamic")  # the two engines: the same engine options go to both
+ENGINE_MODELS = ("llm", "llm_dynamic", "llm_iterative")  # the engines: the same engine options go to each
 TOKENIZER_MODELS = ("preprocessing",)  # they take only the `model` option (their tokenizer must match)
 
 
@@ -33,6 +34,16 @@ def instances(count: int) -> Callable[[mc.ModelConfig], None]:
             group.count = count
     return edit
 
+def _set_parameters(config: mc.ModelConfig, source: Path, params: Mapping[str, object] | None) -> None:
+    """Set the given parameters, and make a relative `model` absolute against the source repository."""
+    for key, value in (params or {}).items():
+        config.parameters[key].string_value = str(value)
+    if "model" in config.parameters:
+        model_path = Path(config.parameters["model"].string_value)
+        if not model_path.is_absolute():
+            config.parameters["model"].string_value = str((source / model_path).resolve())
+
+
 def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = None,
                params: Mapping[str, object] | None = None,
                edit: Callable[[mc.ModelConfig], None] | None = None, files: Iterable[Path] = ()) -> Path:
@@ -46,11 +57,7 @@ def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = Non
         if key not in config.parameters:
             raise KeyError(f"parameter {key}={value!r} is not in {name}'s config: allowed "
                            f"{', '.join(sorted(config.parameters))}")
-        config.parameters[key].string_value = str(value)
-    if "model" in config.parameters:
-        model_path = Path(config.parameters["model"].string_value)
-        if not model_path.is_absolute():
-            config.parameters["model"].string_value = str((source / model_path).resolve())
+    _set_parameters(config, source, params)
     if as_name:
         config.name = as_name
     if edit is not None:
@@ -60,10 +67,16 @@ def copy_model(source: Path, name: str, dest: Path, *, as_name: str | None = Non
         shutil.rmtree(model_dir)
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
-    if (source / name / "configs").is_dir():  # alternative configs (--model-config-name) go along as they are
-        shutil.copytree(source / name / "configs", model_dir / "configs")
-    if (source / name / "1" / "model.py").exists():
-        shutil.copy(source / name / "1" / "model.py", model_dir / "1" / "model.py")
+    if (source / name / "configs").is_dir():  # alternative configs (--model-config-name), the same parameters set
+        (model_dir / "configs").mkdir()
+        for path in sorted((source / name / "configs").glob("*.pbtxt")):
+            alternative = load_config(path)
+            given = {k: v for k, v in (params or {}).items() if k in alternative.parameters}
+            _set_parameters(alternative, source, given)
+            (model_dir / "configs" / path.name).write_text(text_format.MessageToString(alternative))
+    # model.py and any other model file (llm/1/iterative.py, a link, for --model-config-name=iterative), as files
+    for path in sorted((source / name / "1").glob("*.py")):
+        shutil.copy(path, model_dir / "1" / path.name)
     for path in files:
         shutil.copy(path, model_dir / "1" / Path(path).name)
     return model_dir
@@ -80,10 +93,12 @@ def make_model_repository(source: Path, dest: Path, models: Mapping[str, Mapping
 
 
 def build_repository(source: Path, dest: Path, engine_params: Mapping[str, object] | None = None,
-                     max_batch_size: int | None = None, max_queue_delay_us: int | None = None) -> Path:
-    """Both A/B arms (llm, and llm_ensemble = preprocessing -> llm_dynamic -> postprocessing) under dest.
+                     max_batch_size: int | None = None, max_queue_delay_us: int | None = None,
+                     iterative: bool = False) -> Path:
+    """The A/B arms under dest: llm, llm_ensemble (= preprocessing -> llm_dynamic -> postprocessing) and, with
+    `iterative`, llm_iterative (Triton's iterative sequence batcher).
 
-    engine_params go to both engines (`model` to preprocessing too); max_batch_size / max_queue_delay_us
+    engine_params go to every engine (`model` to preprocessing too); max_batch_size / max_queue_delay_us
     override llm_dynamic's dynamic batcher (preferred sizes above the new maximum are dropped)."""
     engine_params = dict(engine_params or {})
     dest.mkdir(parents=True, exist_ok=True)
@@ -97,7 +112,7 @@ def build_repository(source: Path, dest: Path, engine_params: Mapping[str, objec
         if max_queue_delay_us is not None:
             config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
 
-    for name in ARM_MODELS:
+    for name in ARM_MODELS + ((ITERATIVE_MODEL,) if iterative else ()):
         if name in ENGINE_MODELS:
             params = engine_params
         elif name in TOKENIZER_MODELS:

@@ -44,8 +44,8 @@ class _Recorder:
         self.last = None
         scheduler.schedule = self
 
-    def __call__(self):
-        out = self.original()
+    def __call__(self, members=None):
+        out = self.original(members)
         self.last = step_features(out.scheduled)
         return out
 

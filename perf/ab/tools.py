@@ -108,15 +108,19 @@ def batch_delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]
     return {size: after[size] - before.get(size, 0) for size in after if after[size] > before.get(size, 0)}
 
 
-_ENGINE_SERIES = {"step_s": "inflight:step_time_seconds", "tokens": "vllm:iteration_tokens_total"}
+_ENGINE_SERIES = {"step_s": "inflight:step_time_seconds", "tokens": "vllm:iteration_tokens_total",
+                  "queue": "vllm:request_queue_time_seconds"}
+_LE = re.compile(r'le="([^"]+)"')
 
 
 def inflight_step_totals(metrics_url: str, model: str = "llm") -> dict[str, float]:
-    """The in-flight engine's cumulative step count, step seconds and tokens per step (its histograms'
-    _count and _sum); differences over a run give its mean step time and batch fill."""
+    """An engine's cumulative step count, step seconds and tokens per step (its histograms' _count and _sum), and
+    its queue-time histogram (arrival at the engine's model -> first scheduled step: queue_count, queue_s and one
+    `queue_le_<bound>` cumulative count per bucket); differences over a run give its mean step time, batch fill
+    and queue times."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    totals = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}
+    totals = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0, "queue_count": 0.0, "queue_s": 0.0}
     for line in text.splitlines():
         if f'model="{model}"' not in line:
             continue
@@ -127,4 +131,35 @@ def inflight_step_totals(metrics_url: str, model: str = "llm") -> dict[str, floa
             totals["step_s"] += float(value)
         elif name == _ENGINE_SERIES["tokens"] + "_sum":
             totals["tokens"] += float(value)
+        elif name == _ENGINE_SERIES["queue"] + "_count":
+            totals["queue_count"] += float(value)
+        elif name == _ENGINE_SERIES["queue"] + "_sum":
+            totals["queue_s"] += float(value)
+        elif name == _ENGINE_SERIES["queue"] + "_bucket":
+            key = "queue_le_" + _LE.search(line).group(1)
+            totals[key] = totals.get(key, 0.0) + float(value)
     return totals
+
+
+def histogram_quantile(totals: dict[str, float], prefix: str, q: float) -> float:
+    """The upper bound of the bucket that holds the q-quantile (0..1) of a histogram given as cumulative
+    `<prefix><bound>` counts (a run's deltas): all a histogram can say for sure (interpolating inside the queue
+    histogram's 100 -> 300 ms bucket would invent figures); inf past the last bound, NaN without observations."""
+    bounds = sorted((float(k[len(prefix):]), v) for k, v in totals.items() if k.startswith(prefix))
+    if not bounds or bounds[-1][1] <= 0:
+        return float("nan")
+    rank = q * bounds[-1][1]
+    return next(bound for bound, count in bounds if count >= rank)
+
+
+def triton_queue_totals(http_base: str, model: str) -> tuple[float, float]:
+    """Triton's own statistics for a model: (executions counted in its queue statistic, their queue seconds). For
+    llm_iterative that is per iteration: the wait between a reschedule and the next execute."""
+    with urllib.request.urlopen(f"{http_base}/v2/models/{model}/stats", timeout=10) as resp:
+        stats = json.loads(resp.read().decode())
+    count = ns = 0.0
+    for entry in stats.get("model_stats", []):
+        queue = entry.get("inference_stats", {}).get("queue", {})
+        count += float(queue.get("count", 0))
+        ns += float(queue.get("ns", 0))
+    return count, ns / 1e9

@@ -47,10 +47,10 @@ def run_engine(model: str, reqs, batch: int) -> dict:
     sched_time = [0.0]
     schedule = engine.scheduler.schedule
 
-    def timed_schedule():  # CPU time of the scheduling decision alone (the wall-time phases are below)
+    def timed_schedule(members=None):  # CPU time of the scheduling decision alone (the wall-time phases are below)
         # This thread's time only: process time would add what a spinning OpenMP worker burns meanwhile.
         t = time.thread_time()
-        out = schedule()
+        out = schedule(members)
         sched_time[0] += time.thread_time() - t
         return out
 

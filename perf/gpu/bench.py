@@ -277,8 +277,8 @@ def _record_batches(engine) -> list:
     batches = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(members=None):
+        out = schedule(members)
         if out.scheduled:
             decode = all(n == 1 for _, n in out.scheduled)
             ctx = sum(s.num_computed_tokens + n for s, n in out.scheduled)

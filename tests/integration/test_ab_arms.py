@@ -167,7 +167,7 @@ def test_the_harness_runs_end_to_end_in_tiny_mode(tmp_path):
     report = (out / "report.md").read_text()
     assert "| mixed | 4 |" in report and "genai-perf cross-check" in report
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert {r["arm"] for r in rows} == {"inflight", "dynamic"} and all(not r["error"] for r in rows)
+    assert {r["arm"] for r in rows} == {"inflight", "iterative", "dynamic"} and all(not r["error"] for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     for name in ("throughput_vs_concurrency.png", "latency_percentiles.png", "latency_vs_throughput.png"):
         assert (out / name).stat().st_size > 1000

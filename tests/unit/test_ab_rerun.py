@@ -38,12 +38,13 @@ def run_one_pair(tmp_path: Path, monkeypatch, empty_runs: int):
     monkeypatch.setattr(ab_tools, "dynamic_batch_counts", lambda url: {})
     monkeypatch.setattr(ab_tools, "batch_delta", lambda before, after: {4: 1})
     scrapes = iter(range(1, 100))  # the in-flight step counter grows by one per scrape
-    monkeypatch.setattr(ab_tools, "inflight_step_totals", lambda url: {"steps": float(next(scrapes))})
+    monkeypatch.setattr(ab_tools, "inflight_step_totals", lambda url, model: {"steps": float(next(scrapes))})
+    monkeypatch.setattr(ab_tools, "triton_queue_totals", lambda url, model: (0.0, 0.0))
     monkeypatch.setattr(ab_harness.time, "sleep", lambda s: None)
     workload = ab_workloads.Workload("w", "", [ab_workloads.Request("hi", 2)], 1, 0)
-    server = SimpleNamespace(metrics_url="unused", grpc_url="unused")
-    # first=0: round 0 runs the arms in ARM_MODELS' order, in-flight first
-    cells = ab_harness.run_pair(server, workload, 1, 1, 1, 0, tmp_path, 60)
+    server = SimpleNamespace(metrics_url="unused", grpc_url="unused", http_base="unused")
+    # first=0: round 0 runs the arms in the order given, in-flight first
+    cells = ab_harness.run_pair(server, workload, 1, 1, 1, 0, tmp_path, 60, ("inflight", "dynamic"), "perf_analyzer")
     return cells, int((tmp_path / "runs").read_text())
 
 

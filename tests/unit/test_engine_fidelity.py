@@ -50,8 +50,8 @@ def test_greedy_equals_hf_generate(model_path, expected, config):
     chunk_sizes = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(members=None):
+        out = schedule(members)
         chunk_sizes.extend(n for s, n in out.scheduled if s.num_computed_tokens + n < len(s))
         return out
 

@@ -118,8 +118,8 @@ def _engine_decisions(options: dict, reqs: list[SimRequest]) -> list[tuple[list,
     decisions = []
     original = engine.scheduler.schedule
 
-    def recording():
-        out = original()
+    def recording(members=None):
+        out = original(members)
         decisions.append(([(s.request_id, n) for s, n in out.scheduled], [s.request_id for s in out.preempted]))
         return out
 

@@ -1,0 +1,1 @@
+../../llm_iterative/1/model.py
