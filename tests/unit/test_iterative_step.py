@@ -361,7 +361,6 @@ def test_a_second_request_under_a_clients_own_sequence_id_gets_an_error_final(en
 def test_members_draft_and_verify_like_the_in_flight_loop():
     """Speculation under Triton's membership: a member held back keeps no drafts, the others draft; the texts are
     those of decoding without drafts and the pool is whole (rolled-back draft slots included)."""
-    from inflight.sequence import SamplingParams
     prompts = {"count": ("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,", 24),
                "echo": ("a b c d a b c d a b c d a b", 16)}
     plain = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, speculative_method="off"))
