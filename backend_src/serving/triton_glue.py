@@ -32,6 +32,19 @@ def model_options(args: dict) -> tuple[dict, ServingOptions]:
     return config, parse_model_parameters(flatten_triton_parameters(config), repository)
 
 
+def streaming_model_options(args: dict) -> tuple[dict, ServingOptions]:
+    """model_options() for the models that stream (llm, llm_dynamic, llm_iterative): logging set up, and a config
+    that is not decoupled refused at load, naming the setting."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config, options = model_options(args)
+    if not pb_utils.using_decoupled_model_transaction_policy(config):
+        raise pb_utils.TritonModelException(
+            "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
+    return config, options
+
+
 def place_engine(args: dict, model_config: dict, options: ServingOptions) -> None:
     """Give this model instance's engine its device (KIND_GPU: the instance's GPU) and, on the CPU, its share
     of the cores when several instances of the model share them. Call before the engine is built."""

@@ -4,7 +4,6 @@ A/B harness runs end to end in --tiny."""
 from __future__ import annotations
 
 import csv
-import queue
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from engine_helpers import MODEL_REPOSITORY
+from stream_helpers import stream_to_final
 from server_harness.repository import build_repository
 from server_harness.server import TritonServer
 
@@ -40,29 +40,8 @@ def _inputs(prompt: str, **values) -> list:
 
 
 def generate(url: str, model: str, prompt: str, **values) -> tuple[list[dict], str | None]:
-    """Every response of one streaming request (outputs as Python values) and the error, if any; fails the
-    test unless exactly one response is final and nothing follows it."""
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(model, _inputs(prompt, **values), enable_empty_final_response=True)
-        got = []
-        while True:
-            result, error = responses.get(timeout=120)
-            if error is not None:
-                return got, str(error)
-            response = result.get_response()
-            outputs = {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}
-            got.append(outputs)
-            if response.parameters["triton_final_response"].bool_param:
-                break
-        time.sleep(0.2)
-        assert responses.empty(), f"{model}: a response after the final"
-        return got, None
-    finally:
-        client.stop_stream()
-        client.close()
+    """Every response of one streaming request and the error, if any (exactly one final, nothing after it)."""
+    return stream_to_final(url, model, _inputs(prompt, **values))
 
 
 def text_of(responses: list[dict]) -> str:

@@ -4,7 +4,6 @@ cost nothing to anyone else and leave the KV pool whole, and each sharp edge of 
 or shown here as the limit it is (docs/ab.md, "The iterative arm's sharp edges")."""
 from __future__ import annotations
 
-import queue
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import tritonclient.grpc as grpcclient
 
 import fault_hooks
 from engine_helpers import MODEL_REPOSITORY
+from stream_helpers import stream_to_final
 from server_harness.quiescence import assert_quiescent, scrape
 from server_harness.repository import copy_model
 from server_harness.stream_client import StreamClient, finals_problems
@@ -92,33 +92,14 @@ def server(repo, tmp_path_factory):
 
 def stream(url: str, model: str, values: dict, batch_dim: bool = True) -> tuple[list[dict], str | None]:
     """Every response of one streaming request and the error, if any; fails unless exactly one is final."""
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        arrays = batched(values) if batch_dim else {k: v[0] for k, v in batched(values).items()}
-        inputs = []
-        for name, array in arrays.items():
-            wire = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
-            tensor = grpcclient.InferInput(name, list(array.shape), wire)
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        got = []
-        while True:
-            result, error = responses.get(timeout=120)
-            if error is not None:
-                return got, str(error)
-            response = result.get_response()
-            got.append({o.name: result.as_numpy(o.name).tolist() for o in response.outputs})
-            if response.parameters["triton_final_response"].bool_param:
-                break
-        time.sleep(0.2)
-        assert responses.empty(), f"{model}: a response after the final"
-        return got, None
-    finally:
-        client.stop_stream()
-        client.close()
+    arrays = batched(values) if batch_dim else {k: v[0] for k, v in batched(values).items()}
+    inputs = []
+    for name, array in arrays.items():
+        wire = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), wire)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return stream_to_final(url, model, inputs)
 
 
 def text_of(responses: list[dict]) -> str:

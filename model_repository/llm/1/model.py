@@ -5,25 +5,20 @@ pb_utils to them.
 """
 import logging
 
-import triton_python_backend_utils as pb_utils
 
 # Light imports only: a bad config.pbtxt parameter fails the load before torch is imported.
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.lifecycle import send_error
 from serving.request_hooks import load_request_hook
-from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
-                                 read_inputs, unreadable)
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, streaming_model_options,
+                                 place_engine, read_inputs, unreadable)
 
 log = logging.getLogger("llm")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        model_config, options = model_options(args)
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException(
-                "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
+        model_config, options = streaming_model_options(args)
         self._input_names = [i["name"] for i in model_config["input"]]
         request_hook = load_request_hook(options.request_hook_module)  # tests only: fault injection
         from inflight.engine import LLMEngine

@@ -14,19 +14,15 @@ from inflight.fields import InvalidRequestError
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.lifecycle import send_error
 from serving.metrics_export import MetricsExporter
-from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
-                                 read_inputs, unreadable)
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, streaming_model_options,
+                                 place_engine, read_inputs, unreadable)
 
 log = logging.getLogger("llm_dynamic")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        model_config, options = model_options(args)
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException("model_transaction_policy.decoupled=false is not allowed: "
-                                                "this model streams; set it to true")
+        model_config, options = streaming_model_options(args)
         engine_config = options.engine
         if not engine_config.static_batching:
             raise pb_utils.TritonModelException("parameter static_batching=false is not allowed in llm_dynamic: "

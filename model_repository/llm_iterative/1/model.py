@@ -11,8 +11,8 @@ import triton_python_backend_utils as pb_utils
 
 from serving.health_probe import HealthProbe, discover_base_url
 from serving.request_hooks import load_request_hook
-from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, model_options, place_engine,
-                                 read_inputs)
+from serving.triton_glue import (TritonMetricSink, TritonTransport, metric_labels, streaming_model_options,
+                                 place_engine, read_inputs)
 
 log = logging.getLogger("llm_iterative")
 
@@ -36,11 +36,7 @@ def _sequence_batching(model_config: dict) -> tuple[float, str]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        model_config, options = model_options(args)
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException(
-                "model_transaction_policy.decoupled=false is not allowed: this model streams; set it to true")
+        model_config, options = streaming_model_options(args)
         idle_s, strategy = _sequence_batching(model_config)
         slots = model_config["max_batch_size"]
         if options.engine.max_num_seqs < slots:
