@@ -105,7 +105,7 @@ def test_a_copy_of_the_model_repository_serves_from_anywhere(tmp_path):
         if n:
             edited.add(cfg.parent.name)
     # the models that load a tokenizer or weights name the model folder; nothing else needs editing
-    assert edited == {"llm", "llm_dynamic", "preprocessing", "tensorrt_llm", "trtllm_preprocessing",
+    assert edited == {"llm", "llm_dynamic", "llm_iterative", "preprocessing", "tensorrt_llm", "trtllm_preprocessing",
                       "trtllm_postprocessing"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFLIGHT_", "PYTHONPATH"))}
     server = TritonServer(copy, log_path=tmp_path / "server.log", env=env, clear_env=True)
