@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from server_harness.host import cpuinfo_field
 
 
 
@@ -168,7 +169,8 @@ def cmd_calibrate(args) -> int:
             say(f"[calibrate] {previous} is from another host, model or code version: not kept")
     cost = {
         "form": FORM, "features": list(FEATURES),
-        "host": {"hostname": platform.node(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
+        "host": {"hostname": platform.node(), "cpu": cpuinfo_field("model name") or platform.processor() or "unknown",
+                 "cpus": os.cpu_count(),
                  "torch": _torch_version(), "cpu_gemm": _cpu_gemm(),
                  "default_threads": default_threads},
         "model": {"name": model.name, "path": str(model), "kv_bytes_per_token": kv_bytes,
@@ -185,15 +187,6 @@ def cmd_calibrate(args) -> int:
     say(f"[calibrate] wrote {args.out / 'cost.json'} and {args.out / 'cost.md'}")
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _torch_version() -> str:

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from server_harness.host import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     runs += serve(args, options, arms, requests, work)
     meta = {"model": args.model.name, "workload": f"{args.workload} x {args.scale}, {args.requests} requests, "
             f"closed loop at concurrency {args.concurrency}", "engine options": "model_repository/llm/config.pbtxt's",
-            "torch threads": args.torch_threads, "CPU": _cpu_name(),
+            "torch threads": args.torch_threads, "CPU": f"{cpu_model_name()}, {os.cpu_count()} CPUs",
             "load average": f"{load_before:.2f} before / {os.getloadavg()[0]:.2f} after",
             "wall time": f"{time.monotonic() - t0:.0f} s",
             "command": "python -m perf.bench.serving_cost " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -300,12 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"meta": meta, "runs": [asdict(r) for r in runs]}, indent=1))
     return 0
 
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
-    return f"{os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

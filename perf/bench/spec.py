@@ -40,6 +40,7 @@ from perf.peers import stream_clients
 from server_harness.quiescence import scrape
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer
+from server_harness.host import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -111,13 +112,6 @@ def c16(clients: dict, workload, warm_up, rounds: int, concurrency: int) -> dict
     return out
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,7 +135,7 @@ def main() -> None:
     repo = make_model_repository(ROOT / "model_repository", work / "model_repository", {
         "llm": {"model": str(MODEL)}, "llm_off": {"model": str(MODEL), "speculative_method": "off"}})
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
-    result: dict = {"cpu": cpu_model(), "load_average_before": load, "tasks": [t.name for t in tasks],
+    result: dict = {"cpu": cpu_model_name(), "load_average_before": load, "tasks": [t.name for t in tasks],
                     "max_tokens": args.max_tokens, "llama_cpp_options": args.llama_spec}
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(TritonServer(repo, log_path=work / "tritonserver.log", startup_timeout_s=900,

@@ -38,6 +38,7 @@ import torch
 
 from inflight.sequence import SamplingParams
 from perf.bench.host_overhead import FILL_STEPS_MAX, PHASES, HostTimer, build_engine, clock
+from server_harness.host import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as host_overhead: the host's share, not OpenMP's barriers on a shared machine
     t_start = time.perf_counter()
-    report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": _cpu_name()}
+    report: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_model_name()}
     steps = step_costs(args.running, args.steps, args.warmup, args.seed)
     report["steps"] = steps
     report.update(mask_ms_per_step=steps["mask_ms_per_step"],
@@ -275,15 +276,6 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

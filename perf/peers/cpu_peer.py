@@ -39,15 +39,12 @@ from transformers import AutoTokenizer
 
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer, free_ports
+from server_harness.host import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 SMOL_Q4_1 = ROOT / "models" / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -228,7 +225,8 @@ def main() -> None:
                     "speculative_method": args.speculative_method,
                     "peer_gguf": Path(args.peer_gguf).name if args.peer_gguf else args.quant if args.quant != "none"
                     else "f32",
-                    "cpu": _cpu_name(), "workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
+                    "cpu": cpu_model_name(),
+                    "workload": {"name": "mixed", "scale": args.scale, "requests": args.requests,
                                  "concurrency": args.concurrency, "outputs": sorted(set(workload.output_lengths)),
                                  "prompt_tokens": workload.prompt_tokens, "threads": args.threads or "default"},
                     "load_average_before": load}

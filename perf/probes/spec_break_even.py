@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from inflight import LLM, SamplingParams
 from perf.ab import workloads as ab_workloads
 from perf.bench import spec_tasks
+from server_harness.host import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -90,20 +91,13 @@ def main() -> None:
     for name in args.workloads.split(","):
         ok = [r["running"] for r in rows if r["workload"] == name and r["ratio"] >= 1.0]
         pays[name] = max(ok) if ok else 0
-    result = {"cpu": _cpu_model(), "load_average": os.getloadavg(), "rows": rows, "largest_running_that_pays": pays,
+    result = {"cpu": cpu_model_name(), "load_average": os.getloadavg(), "rows": rows, "largest_running_that_pays": pays,
               "num_speculative_tokens": engines["on"].engine.config.num_speculative_tokens}
     print(json.dumps({"largest_running_that_pays": pays}))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
 
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 
 from inflight.attention import AttentionMetadata, reference
 from inflight.model import ModelConfig
+from server_harness.host import cpu_model_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,7 +79,7 @@ def main() -> None:
     result = {"model": os.path.basename(args.model), "block_size": args.block_size,
               "sliding_window": cfg.sliding_window,
               "layer_windows": [cfg.layer_window(i) for i in range(cfg.num_layers)],
-              "rows": rows, "cpu": _cpu(), "threads": torch.get_num_threads()}
+              "rows": rows, "cpu": cpu_model_name(), "threads": torch.get_num_threads()}
     if args.time:
         context = rows[-1]["context"]
         # Each in its own process: the "full" run patches ModelConfig.
@@ -94,13 +95,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,21 @@
+"""Facts about this host that benchmarks record beside their figures (the machines here change between sessions).
+Imports nothing of ours: importing inflight would set its OpenMP defaults in this process's environment, which
+servers started from it (llama.cpp's among them) would inherit."""
+from __future__ import annotations
+
+
+def cpuinfo_field(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ("model name", "vendor_id", ...), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name, or "unknown"."""
+    return cpuinfo_field("model name") or "unknown"
