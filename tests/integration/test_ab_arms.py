@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from engine_helpers import MODEL_REPOSITORY
-from stream_helpers import stream_to_final
+from grpc_helpers import stream_to_final
 from server_harness.repository import build_repository
 from server_harness.server import TritonServer
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 import fault_hooks
 from engine_helpers import MODEL_REPOSITORY
-from stream_helpers import stream_to_final
+from grpc_helpers import infer_inputs, stream_to_final
 from server_harness.quiescence import assert_quiescent, scrape
 from server_harness.repository import copy_model
 from server_harness.stream_client import StreamClient, finals_problems
@@ -93,13 +92,7 @@ def server(repo, tmp_path_factory):
 def stream(url: str, model: str, values: dict, batch_dim: bool = True) -> tuple[list[dict], str | None]:
     """Every response of one streaming request and the error, if any; fails unless exactly one is final."""
     arrays = batched(values) if batch_dim else {k: v[0] for k, v in batched(values).items()}
-    inputs = []
-    for name, array in arrays.items():
-        wire = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
-        tensor = grpcclient.InferInput(name, list(array.shape), wire)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return stream_to_final(url, model, inputs)
+    return stream_to_final(url, model, infer_inputs(arrays))
 
 
 def text_of(responses: list[dict]) -> str:

@@ -21,8 +21,8 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
+from grpc_helpers import infer_inputs
 from engine_helpers import MODEL_REPOSITORY, SMOLLM2, TINY
 from server_harness.openai_stack import FrontendProcess, scrape
 from server_harness.quiescence import assert_quiescent
@@ -173,13 +173,7 @@ def trtllm_inputs(prompt: str, **extra) -> list[grpcclient.InferInput]:
     values = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[160]], dtype=np.int32),
               "temperature": np.array([[0.0]], dtype=np.float32),
               "apply_chat_template": np.array([[True]]), "exclude_input_in_output": np.array([[True]]), **extra}
-    tensors = []
-    for name, array in values.items():
-        t = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        tensors.append(t)
-    return tensors
+    return infer_inputs(values)
 
 
 def guide(kind: str, text: str = "") -> dict[str, np.ndarray]:
@@ -317,12 +311,7 @@ def test_tensorrt_llm_inner_model_takes_the_guide(server):
     values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
               "request_output_len": np.array([[8]], dtype=np.int32),
               **guide("ebnf_grammar", 'root ::= "yes" | "no"')}
-    inputs = []
-    for name, array in values.items():
-        t = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        inputs.append(t)
+    inputs = infer_inputs(values)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         out = client.infer("tensorrt_llm", inputs)

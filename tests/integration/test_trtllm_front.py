@@ -12,6 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
+from grpc_helpers import infer_inputs
 from engine_helpers import MODEL_REPOSITORY, TINY
 from server_harness.openai_stack import grpc_generate
 from server_harness.repository import copy_model
@@ -46,13 +47,7 @@ def trtllm_inputs(prompts: list[str], max_tokens: int, streaming: bool, **extra)
         "exclude_input_in_output": np.ones((len(prompts), 1), dtype=bool),
         **extra,
     }
-    tensors = []
-    for name, array in values.items():
-        t = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        tensors.append(t)
-    return tensors
+    return infer_inputs(values)
 
 
 def stream(server, inputs, outputs=("text_output", "batch_index")):

@@ -63,9 +63,7 @@ def test_bf16_default_and_kv_sized_from_memory_fraction():
 @pytest.mark.parametrize("family", ["tiny-qwen3", "tiny-gemma3"])
 def test_other_families_on_cuda_equal_hf_past_the_window(family):
     """Qwen3 and Gemma 3 (window 24) through the Triton kernels and CUDA graphs, fp32: greedy equals HF."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from engine_helpers import hf_greedy
+    from engine_helpers import hf_greedy  # tests/ is on pytest's pythonpath (pyproject.toml)
 
     path = os.path.join(os.path.dirname(TINY), family)
     llm = LLM(path, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=8,

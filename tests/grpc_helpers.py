@@ -1,10 +1,23 @@
-"""One streaming gRPC request read to its end, for the integration tests of the served arms."""
+"""gRPC requests for the integration tests: inputs from numpy arrays, one streaming request read to its end."""
 from __future__ import annotations
 
 import queue
 import time
 
+import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
+
+
+def infer_inputs(values: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    """One InferInput per array, its shape and Triton type taken from the array (object arrays: BYTES)."""
+    inputs = []
+    for name, array in values.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                       else np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 def stream_to_final(url: str, model: str, inputs: list) -> tuple[list[dict], str | None]:
