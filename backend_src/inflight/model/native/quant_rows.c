@@ -67,17 +67,22 @@ INLINE void store16(float *y, int o, int out, v8 lo, v8 hi) {
     for (int j = 0; o + j < out; j++) y[o + j] += lanes[j];
 }
 
-/* int8, one scale per output: R rows x T tiles starting at tile t0. */
-INLINE void tiles_q8_channel(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
-                             int out) {
+/* The kinds with one scale per output (int8 as quantized at load) or none (bfloat16): R rows x T tiles starting at
+ * tile t0. KIND is a constant at every call, so each kind compiles to its own loop. */
+INLINE void tiles_per_output(const int KIND, const int R, const int T, const float *x, int in, const QWeight *w,
+                             int t0, float *y, int out) {
     v8 acc[6][4][2] = {{{{0}}}};
-    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
     for (int i = 0; i < in; i++) {
         v8 wv[4][2];
         for (int t = 0; t < T; t++) {
-            const int8_t *p = q + ((int64_t)t * in + i) * TILE;
-            wv[t][0] = int8_to_float(p);
-            wv[t][1] = int8_to_float(p + 8);
+            const int64_t at = ((int64_t)(t0 + t) * in + i) * TILE;
+            if (KIND == Q_BF16) {
+                wv[t][0] = bf16_to_float((const uint16_t *)w->q + at);
+                wv[t][1] = bf16_to_float((const uint16_t *)w->q + at + 8);
+            } else {
+                wv[t][0] = int8_to_float((const int8_t *)w->q + at);
+                wv[t][1] = int8_to_float((const int8_t *)w->q + at + 8);
+            }
         }
         for (int r = 0; r < R; r++) {
             const float xv = x[(int64_t)r * in + i];
@@ -88,93 +93,48 @@ INLINE void tiles_q8_channel(const int R, const int T, const float *x, int in, c
         }
     }
     for (int t = 0; t < T; t++) {
-        const float *s = w->scale + (int64_t)(t0 + t) * TILE;
-        for (int r = 0; r < R; r++)
-            store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0] * load(s), acc[r][t][1] * load(s + 8));
-    }
-}
-
-/* bfloat16 weights, no scale: R rows x T tiles starting at tile t0. */
-INLINE void tiles_bf16(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
-                       int out) {
-    v8 acc[6][4][2] = {{{{0}}}};
-    const uint16_t *q = (const uint16_t *)w->q + (int64_t)t0 * in * TILE;
-    for (int i = 0; i < in; i++) {
-        v8 wv[4][2];
-        for (int t = 0; t < T; t++) {
-            const uint16_t *p = q + ((int64_t)t * in + i) * TILE;
-            wv[t][0] = bf16_to_float(p);
-            wv[t][1] = bf16_to_float(p + 8);
-        }
+        const float *s = KIND == Q_BF16 ? NULL : w->scale + (int64_t)(t0 + t) * TILE;
         for (int r = 0; r < R; r++) {
-            const float xv = x[(int64_t)r * in + i];
-            for (int t = 0; t < T; t++) {
-                acc[r][t][0] += wv[t][0] * xv;
-                acc[r][t][1] += wv[t][1] * xv;
-            }
+            if (KIND == Q_BF16)
+                store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
+            else
+                store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0] * load(s), acc[r][t][1] * load(s + 8));
         }
     }
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
 }
 
-/* int8, a scale per `group` inputs (GGUF's Q8_0: 32): each weight widened and scaled in registers (q * s, shared
- * by the rows), then multiplied. */
-INLINE void tiles_q8_group(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
-                           int out) {
+/* The kinds with a scale per block of inputs: int8 per `group` (GGUF's Q8_0: 32), each weight widened as q * s; and
+ * 4-bit per 32, widened as q * d + m. Each weight is widened and scaled in registers once, shared by the rows, then
+ * multiplied. R rows x T tiles starting at tile t0; KIND a constant at every call. */
+INLINE void tiles_grouped(const int KIND, const int R, const int T, const float *x, int in, const QWeight *w,
+                          int t0, float *y, int out) {
     v8 acc[4][2][2] = {{{{0}}}};
-    const int groups = in / w->group;
-    const int8_t *q = (const int8_t *)w->q + (int64_t)t0 * in * TILE;
+    const int group = KIND == Q_INT4 ? 32 : w->group, groups = in / group;
     for (int g = 0; g < groups; g++) {
-        v8 s[2][2];
+        v8 d[2][2], m[2][2] = {{{0}}};  /* m: the 4-bit kind only */
         for (int t = 0; t < T; t++) {
-            const float *sp = w->scale + ((int64_t)(t0 + t) * groups + g) * TILE;
-            s[t][0] = load(sp);
-            s[t][1] = load(sp + 8);
-        }
-        for (int i = g * w->group; i < (g + 1) * w->group; i++) {
-            v8 wv[2][2];
-            for (int t = 0; t < T; t++) {
-                const int8_t *p = q + ((int64_t)t * in + i) * TILE;
-                wv[t][0] = int8_to_float(p) * s[t][0];
-                wv[t][1] = int8_to_float(p + 8) * s[t][1];
-            }
-            for (int r = 0; r < R; r++) {
-                const float xv = x[(int64_t)r * in + i];
-                for (int t = 0; t < T; t++) {
-                    acc[r][t][0] += wv[t][0] * xv;
-                    acc[r][t][1] += wv[t][1] * xv;
-                }
-            }
-        }
-    }
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
-}
-
-/* 4-bit, blocks of 32 inputs: each weight widened in registers as q * d + m (shared by the rows), then
- * multiplied. */
-INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWeight *w, int t0, float *y,
-                     int out) {
-    v8 acc[4][2][2] = {{{{0}}}};
-    const int blocks = in / 32;
-    const uint8_t *q = (const uint8_t *)w->q + (int64_t)t0 * in * (TILE / 2);
-    for (int b = 0; b < blocks; b++) {
-        v8 d[2][2], m[2][2];
-        for (int t = 0; t < T; t++) {
-            const int64_t at = ((int64_t)(t0 + t) * blocks + b) * TILE;
+            const int64_t at = ((int64_t)(t0 + t) * groups + g) * TILE;
             d[t][0] = load(w->scale + at);
             d[t][1] = load(w->scale + at + 8);
-            m[t][0] = load(w->min + at);
-            m[t][1] = load(w->min + at + 8);
+            if (KIND == Q_INT4) {
+                m[t][0] = load(w->min + at);
+                m[t][1] = load(w->min + at + 8);
+            }
         }
-        for (int i = b * 32; i < b * 32 + 32; i++) {
+        for (int i = g * group; i < (g + 1) * group; i++) {
             v8 wv[2][2];
             for (int t = 0; t < T; t++) {
-                /* byte j: output j in the low nibble, output j + 8 in the high one */
-                const v8si v = bytes(q + ((int64_t)t * in + i) * (TILE / 2));
-                wv[t][0] = to_float(v & 15) * d[t][0] + m[t][0];
-                wv[t][1] = to_float(v >> 4) * d[t][1] + m[t][1];
+                const int64_t at = (int64_t)(t0 + t) * in + i;
+                if (KIND == Q_INT4) {
+                    /* byte j: output j in the low nibble, output j + 8 in the high one */
+                    const v8si v = bytes((const uint8_t *)w->q + at * (TILE / 2));
+                    wv[t][0] = to_float(v & 15) * d[t][0] + m[t][0];
+                    wv[t][1] = to_float(v >> 4) * d[t][1] + m[t][1];
+                } else {
+                    const int8_t *p = (const int8_t *)w->q + at * TILE;
+                    wv[t][0] = int8_to_float(p) * d[t][0];
+                    wv[t][1] = int8_to_float(p + 8) * d[t][1];
+                }
             }
             for (int r = 0; r < R; r++) {
                 const float xv = x[(int64_t)r * in + i];
@@ -190,33 +150,33 @@ INLINE void tiles_q4(const int R, const int T, const float *x, int in, const QWe
 }
 
 /* `rows` input rows of tile t through KERNEL, up to six (or four) at a time: each R a constant of its own call. */
-#define SIX_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                         \
-    for (int r = 0; r < (rows);) {                                                              \
-        const int R = (rows) - r >= 6 ? 6 : (rows) - r;                                        \
-        const float *xr = (x) + (int64_t)r * (in);                                             \
-        float *yr = (y) + (int64_t)r * (out);                                                  \
-        switch (R) {                                                                           \
-            case 6: KERNEL(6, 1, xr, in, w, t, yr, out); break;                                \
-            case 5: KERNEL(5, 1, xr, in, w, t, yr, out); break;                                \
-            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
-            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
-            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
-            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
-        }                                                                                      \
-        r += R;                                                                                \
+#define SIX_AT_A_TIME(KERNEL, KIND, rows, x, in, w, t, y, out)         \
+    for (int r = 0; r < (rows);) {                                     \
+        const int R = (rows) - r >= 6 ? 6 : (rows) - r;                \
+        const float *xr = (x) + (int64_t)r * (in);                     \
+        float *yr = (y) + (int64_t)r * (out);                          \
+        switch (R) {                                                   \
+            case 6: KERNEL(KIND, 6, 1, xr, in, w, t, yr, out); break;  \
+            case 5: KERNEL(KIND, 5, 1, xr, in, w, t, yr, out); break;  \
+            case 4: KERNEL(KIND, 4, 1, xr, in, w, t, yr, out); break;  \
+            case 3: KERNEL(KIND, 3, 1, xr, in, w, t, yr, out); break;  \
+            case 2: KERNEL(KIND, 2, 1, xr, in, w, t, yr, out); break;  \
+            default: KERNEL(KIND, 1, 1, xr, in, w, t, yr, out); break; \
+        }                                                              \
+        r += R;                                                        \
     }
-#define FOUR_AT_A_TIME(KERNEL, rows, x, in, w, t, y, out)                                        \
-    for (int r = 0; r < (rows);) {                                                              \
-        const int R = (rows) - r >= 4 ? 4 : (rows) - r;                                        \
-        const float *xr = (x) + (int64_t)r * (in);                                             \
-        float *yr = (y) + (int64_t)r * (out);                                                  \
-        switch (R) {                                                                           \
-            case 4: KERNEL(4, 1, xr, in, w, t, yr, out); break;                                \
-            case 3: KERNEL(3, 1, xr, in, w, t, yr, out); break;                                \
-            case 2: KERNEL(2, 1, xr, in, w, t, yr, out); break;                                \
-            default: KERNEL(1, 1, xr, in, w, t, yr, out); break;                               \
-        }                                                                                      \
-        r += R;                                                                                \
+#define FOUR_AT_A_TIME(KERNEL, KIND, rows, x, in, w, t, y, out)        \
+    for (int r = 0; r < (rows);) {                                     \
+        const int R = (rows) - r >= 4 ? 4 : (rows) - r;                \
+        const float *xr = (x) + (int64_t)r * (in);                     \
+        float *yr = (y) + (int64_t)r * (out);                          \
+        switch (R) {                                                   \
+            case 4: KERNEL(KIND, 4, 1, xr, in, w, t, yr, out); break;  \
+            case 3: KERNEL(KIND, 3, 1, xr, in, w, t, yr, out); break;  \
+            case 2: KERNEL(KIND, 2, 1, xr, in, w, t, yr, out); break;  \
+            default: KERNEL(KIND, 1, 1, xr, in, w, t, yr, out); break; \
+        }                                                              \
+        r += R;                                                        \
     }
 
 /* Tiles t0 .. t1 - 1 for n rows. One row takes several tiles at once (their chains hide the FMA latency): four
@@ -227,21 +187,21 @@ QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, i
     for (int t = t0; t < t1;) {
         if (per_output) {
             if (n == 1 && t + 4 <= t1) {
-                if (w->kind == Q_BF16) tiles_bf16(1, 4, x, in, w, t, y, out);
-                else tiles_q8_channel(1, 4, x, in, w, t, y, out);
+                if (w->kind == Q_BF16) tiles_per_output(Q_BF16, 1, 4, x, in, w, t, y, out);
+                else tiles_per_output(Q_INT8, 1, 4, x, in, w, t, y, out);
                 t += 4;
             } else {
-                if (w->kind == Q_BF16) SIX_AT_A_TIME(tiles_bf16, n, x, in, w, t, y, out)
-                else SIX_AT_A_TIME(tiles_q8_channel, n, x, in, w, t, y, out)
+                if (w->kind == Q_BF16) SIX_AT_A_TIME(tiles_per_output, Q_BF16, n, x, in, w, t, y, out)
+                else SIX_AT_A_TIME(tiles_per_output, Q_INT8, n, x, in, w, t, y, out)
                 t++;
             }
         } else if (n == 1 && t + 2 <= t1) {
-            if (w->kind == Q_INT4) tiles_q4(1, 2, x, in, w, t, y, out);
-            else tiles_q8_group(1, 2, x, in, w, t, y, out);
+            if (w->kind == Q_INT4) tiles_grouped(Q_INT4, 1, 2, x, in, w, t, y, out);
+            else tiles_grouped(Q_INT8, 1, 2, x, in, w, t, y, out);
             t += 2;
         } else {
-            if (w->kind == Q_INT4) FOUR_AT_A_TIME(tiles_q4, n, x, in, w, t, y, out)
-            else FOUR_AT_A_TIME(tiles_q8_group, n, x, in, w, t, y, out)
+            if (w->kind == Q_INT4) FOUR_AT_A_TIME(tiles_grouped, Q_INT4, n, x, in, w, t, y, out)
+            else FOUR_AT_A_TIME(tiles_grouped, Q_INT8, n, x, in, w, t, y, out)
             t++;
         }
     }
