@@ -18,15 +18,10 @@ import time
 
 from transformers import AutoTokenizer
 
+from perf.bench.structured import SCHEMA  # the benchmark's schema: a nested object, an enum, an array, required fields
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 49152
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "role": {"type": "string", "enum": ["admin", "user", "guest"]},
-    "tags": {"type": "array", "items": {"type": "string"}},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                "required": ["city", "zip"]}},
-    "required": ["name", "age", "role", "tags", "address"]}
 ANSWER = json.dumps({"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "poetry", "engines"],
                      "address": {"city": "London", "zip": "W1"}})
 
