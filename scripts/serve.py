@@ -7,6 +7,10 @@ EXIT_TIMEOUT_SECS (default 15), ADMIN_KEY (default: random per run), OPENAI_PORT
 OpenAI-compatible API). Extra arguments go to tritonserver.
 Ctrl-C or SIGTERM stops the server by its pid, then checks that none of its python-backend stubs and
 none of their /dev/shm regions are left (and removes any that are).
+Once it has served, a dead python-backend stub or a tritonserver that exits by itself makes serve.py restart
+both (RESTART_ON_STUB_DEATH=0: leave a dead stub alone, for the orchestrator's liveness probe to act on); more
+than MAX_RESTARTS_PER_HOUR (default 5) restarts and it gives up (exit 1). Its state, for the container probes
+(scripts/health.py), is in $SERVE_STATE_DIR (default /tmp)/llm-serve-<HTTP_PORT>.json.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from pathlib import Path
 # are found in /proc by name, and a stub's argv names its shm region and its server's pid.
 from server_harness.process import (SHM_DIR, STUB_ARG_PARENT, STUB_ARG_SHM, TRITONSERVER, python_stubs, shm_regions,
                                     wait_ready)
+from server_harness.serve_state import (FAILED, RESTARTING, SERVING, STARTING, STOPPING, ServeState, state_path,
+                                        write_state)
+from server_harness.stub_watch import StubWatch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Admin-only endpoints need the header "admin-key: <ADMIN_KEY>" (on gRPC, Triton 2.51 prefixes it:
@@ -31,6 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # (perf_analyzer and genai-perf read config and statistics).
 RESTRICTED = "model-repository,shared-memory,trace,logging"
 READY_TIMEOUT_S = 600.0  # for tritonserver to load the model repository and answer ready
+# A restart after a dead stub: our models cancel their in-flight requests within about 1.5 s of SIGTERM (they
+# see the endpoint close); the requests on the dead stub can never finish, and would hold Triton for its whole
+# exit timeout. So tritonserver gets this long before SIGKILL, and its leftovers are cleaned up.
+RESTART_GRACE_S = 5.0
 
 
 def env_port(name: str, default: int) -> int:
@@ -92,17 +103,21 @@ def banner(host: str, http: int, grpc: int, metrics: int, admin_key: str) -> str
 """
 
 
-def stop(proc: subprocess.Popen, exit_timeout_s: int, stub_shm: set[str], shm_before: set[str]) -> int:
-    """SIGTERM by pid, SIGKILL after the grace period; then look for and remove our leftovers."""
+def stop(proc: subprocess.Popen, exit_timeout_s: int, stub_shm: set[str], shm_before: set[str],
+         grace_s: float | None = None) -> int:
+    """SIGTERM by pid, SIGKILL after the grace period (default: the exit timeout + 30 s); then look for and remove
+    our leftovers."""
     problems = []
+    grace_s = exit_timeout_s + 30 if grace_s is None else grace_s
     if proc.poll() is None:
         print(f"\n==> stopping tritonserver (pid {proc.pid})", flush=True)
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=exit_timeout_s + 30)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            problems.append(f"tritonserver pid {proc.pid} ignored SIGTERM for {exit_timeout_s + 30} s; sent SIGKILL "
-                            "(an open gRPC stream holds a model until its client disconnects)")
+            problems.append(f"tritonserver pid {proc.pid} ignored SIGTERM for {grace_s:g} s; sent SIGKILL "
+                            "(an open gRPC stream holds a model until its client disconnects; a request on a dead "
+                            "stub holds it for good)")
             proc.kill()
             proc.wait()
     deadline = time.monotonic() + 5
@@ -166,6 +181,123 @@ def stop_openai(proc: subprocess.Popen | None) -> None:
 # ---- end of the OpenAI-compatible API block ---------------------------------------------------------------
 
 
+class Supervisor:
+    """Runs tritonserver and the OpenAI API, and brings both back when a python-backend stub dies or tritonserver
+    exits by itself: Triton 2.51 neither restarts a dead stub nor stops calling the model ready, and no request
+    in flight on that stub ever gets an answer (docs/faults.md). A restart ends those requests (their streams
+    close), the other models' requests get a CANCELLED final, and the server serves again after a fresh load.
+    Its state goes to a small file for the container's probes (scripts/health.py)."""
+
+    def __init__(self, args: list[str], host: str, http: int, grpc: int, metrics: int, exit_timeout: int,
+                 repo: Path, admin_key: str, oai_port: int | None):
+        self.args, self.host, self.http, self.grpc, self.metrics = args, host, http, grpc, metrics
+        self.exit_timeout, self.repo, self.admin_key, self.oai_port = exit_timeout, repo, admin_key, oai_port
+        self.local = "127.0.0.1" if host == "0.0.0.0" else host
+        self.supervise = os.environ.get("RESTART_ON_STUB_DEATH", "1") != "0"
+        self.max_restarts = int(os.environ.get("MAX_RESTARTS_PER_HOUR", "5"))
+        self.state_file = state_path(http)
+        self.state = ServeState(STARTING, time.time(), os.getpid())
+        self.proc: subprocess.Popen | None = None
+        self.oai_proc: subprocess.Popen | None = None
+        self.restarts: list[float] = []
+        self.shm_before = shm_regions()
+        self.stub_shm: set[str] = set()
+        self.final_code = 0
+
+    def set_state(self, name: str, reason: str | None = None) -> None:
+        if name != self.state.state:
+            self.state.state, self.state.since = name, time.time()
+        if reason is not None:
+            self.state.reason = reason
+        self.state.server_pid = self.proc.pid if self.proc else None
+        write_state(self.state_file, self.state)
+
+    def run(self) -> int:
+        """Serve until a signal (exit 0 when stopped cleanly), or until restarting is given up (exit 1)."""
+        try:
+            while True:
+                reason = self.serve_once()
+                if self.state.state == STARTING:  # never served: a configuration problem, not for restarts
+                    print(f"==> {reason}", file=sys.stderr, flush=True)
+                    self.set_state(FAILED, reason)
+                    return 1
+                self.restarts = [t for t in self.restarts if time.time() - t < 3600] + [time.time()]
+                if len(self.restarts) > self.max_restarts:
+                    print(f"==> {reason}: {len(self.restarts) - 1} restarts in the last hour already "
+                          f"(MAX_RESTARTS_PER_HOUR={self.max_restarts}): giving up", file=sys.stderr, flush=True)
+                    self.set_state(FAILED, reason)
+                    return 1
+                self.state.restarts += 1
+                print(f"==> {reason}: restarting tritonserver (restart {self.state.restarts})", file=sys.stderr,
+                      flush=True)
+                self.set_state(RESTARTING, reason)
+                self.stop_all(grace_s=RESTART_GRACE_S)
+        except Stop as s:
+            print(f"\n==> {s}: shutting down", flush=True)
+            return 0
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the leftover check
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if self.state.state != FAILED:
+                self.set_state(STOPPING)
+            self.final_code = self.stop_all(grace_s=None)
+            self.state_file.unlink(missing_ok=True)
+
+    def serve_once(self) -> str:
+        """Start tritonserver, serve while it and its stubs live; return why it must be restarted."""
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        self.set_state(STARTING if not self.state.restarts else RESTARTING)
+        if not self.wait_ready():
+            return f"tritonserver did not become ready (exit code {self.proc.poll()})"
+        self.stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(self.proc.pid)}
+        self.state.dead_stubs = []
+        self.set_state(SERVING, "")
+        if self.state.restarts:
+            print(f"==> tritonserver is serving again (restart {self.state.restarts})", flush=True)
+        else:
+            shown = "localhost" if self.host in ("127.0.0.1", "0.0.0.0") else self.host
+            print(banner(shown, self.http, self.grpc, self.metrics, self.admin_key), flush=True)
+        if self.oai_port:  # OpenAI-compatible API
+            self.oai_proc = start_openai(self.host, self.oai_port, self.grpc, self.repo, self.admin_key)
+        watch = StubWatch(self.proc.pid)
+        reported: set[int] = set()
+        while self.proc.poll() is None:
+            time.sleep(0.5)
+            for dead in watch.poll():
+                if dead.stub.pid in reported:
+                    continue
+                reported.add(dead.stub.pid)
+                self.state.dead_stubs.append({"instance": dead.stub.instance, "model": dead.stub.model,
+                                              "pid": dead.stub.pid, "cause": dead.cause, "seen_at": time.time()})
+                print(f"==> python-backend stub {dead.stub.instance} (model {dead.stub.model}, pid {dead.stub.pid}) "
+                      f"{dead.cause}; Triton 2.51 neither restarts it nor answers its requests", file=sys.stderr,
+                      flush=True)
+                if self.supervise:
+                    return f"stub {dead.stub.instance} {dead.cause}"
+            self.set_state(SERVING)
+        return f"tritonserver exited by itself (code {self.proc.returncode})"
+
+    def wait_ready(self) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if wait_ready(self.proc, f"http://{self.local}:{self.http}/v2/health/ready", timeout_s=1.0):
+                return True
+            self.set_state(self.state.state)  # heartbeat while the models load
+        return False
+
+    def stop_all(self, grace_s: float | None) -> int:
+        """The OpenAI API, then tritonserver (SIGKILL after grace_s; None: after its exit timeout + 30 s)."""
+        stop_openai(self.oai_proc)  # OpenAI-compatible API, before tritonserver
+        self.oai_proc = None
+        if self.proc is None:
+            return 0
+        self.stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(self.proc.pid)}
+        code = stop(self.proc, self.exit_timeout, self.stub_shm, self.shm_before, grace_s)
+        self.proc = None
+        return code
+
+
 def main(argv: list[str]) -> int:
     host = os.environ.get("BIND_ADDRESS", "127.0.0.1")
     http, grpc, metrics = env_port("HTTP_PORT", 8000), env_port("GRPC_PORT", 8001), env_port("METRICS_PORT", 8002)
@@ -176,7 +308,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"{TRITONSERVER} is missing: run `make setup` first")
     for name, port in (("HTTP_PORT", http), ("GRPC_PORT", grpc), ("METRICS_PORT", metrics)):
         check_free(host, port, name)
-    oai_port, oai_proc = openai_port(), None  # OpenAI-compatible API
+    oai_port = openai_port()  # OpenAI-compatible API
     if oai_port:
         check_free(host, oai_port, "OPENAI_PORT")
     args = [str(TRITONSERVER), f"--model-repository={repo}", "--model-control-mode=none",
@@ -186,37 +318,11 @@ def main(argv: list[str]) -> int:
             f"--grpc-restricted-protocol={RESTRICTED}:admin-key={admin_key}", *argv]
     print("==> " + " ".join(a if "admin-key" not in a else a.split(":admin-key")[0] + ":admin-key=***" for a in args),
           flush=True)
-    shm_before = shm_regions()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    # Own session: a terminal's Ctrl-C reaches serve.py only, which then stops the server by its pid.
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
-    stub_shm: set[str] = set()
-    code = 0
-    try:
-        shown = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
-        if not wait_ready(proc, f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{http}/v2/health/ready",
-                          timeout_s=READY_TIMEOUT_S):
-            print(f"==> tritonserver did not become ready (exit code {proc.poll()})", file=sys.stderr)
-            code = 1
-        else:
-            stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
-            print(banner(shown, http, grpc, metrics, admin_key), flush=True)
-            if oai_port:  # OpenAI-compatible API
-                oai_proc = start_openai(host, oai_port, grpc, repo, admin_key)
-            while proc.poll() is None:
-                time.sleep(0.5)
-            print(f"==> tritonserver exited by itself (code {proc.returncode})", file=sys.stderr)
-            code = 1
-    except Stop as s:
-        print(f"\n==> {s}: shutting down", flush=True)
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the leftover check
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stub_shm |= {argv[STUB_ARG_SHM] for _, argv in our_stubs(proc.pid)}
-        stop_openai(oai_proc)  # OpenAI-compatible API, before tritonserver
-        code = stop(proc, exit_timeout, stub_shm, shm_before) or code
-    return code
+    supervisor = Supervisor(args, host, http, grpc, metrics, exit_timeout, repo, admin_key, oai_port)
+    code = supervisor.run()
+    return code or supervisor.final_code
 
 
 if __name__ == "__main__":

@@ -45,3 +45,24 @@ def triton_server_factory(tmp_path_factory) -> Iterator[Callable[..., TritonServ
         problems += server.leftovers()
     if problems:
         pytest.fail("tritonserver left things behind:\n" + "\n".join(problems))
+
+
+# ---- slow tests: skipped unless asked for ------------------------------------------------------------------
+# Runs of many minutes (the 5-minute soak in the image, the 500-iteration cancellation loop) are marked
+# `@pytest.mark.slow`; `make test` skips them. Run them with `pytest --run-slow ...` (or RUN_SLOW=1).
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: minutes long; skipped unless --run-slow (or RUN_SLOW=1)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if config.getoption("--run-slow") or os.environ.get("RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (or RUN_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
