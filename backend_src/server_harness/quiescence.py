@@ -19,8 +19,11 @@ from typing import Protocol
 _SAMPLE = re.compile(r"^((?:vllm|inflight):[a-zA-Z0-9_:]+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
-ZERO_GAUGES = ("inflight:kv_blocks_used", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-               "vllm:num_requests_waiting", "inflight:num_requests_preempted", "inflight:num_requests_inflight")
+ENGINE_ZERO_GAUGES = ("inflight:kv_blocks_used", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                      "vllm:num_requests_waiting", "inflight:num_requests_preempted")
+# llm's and llm_iterative's frontends add this one; llm_dynamic has no frontend (execute runs each batch to its
+# end), so its checks pass ENGINE_ZERO_GAUGES.
+ZERO_GAUGES = ENGINE_ZERO_GAUGES + ("inflight:num_requests_inflight",)
 
 
 class Endpoints(Protocol):
@@ -58,7 +61,8 @@ def http_status(url: str) -> int:
         return 0
 
 
-def quiescence_problems(server: Endpoints, model: str, num_blocks: int) -> list[str]:
+def quiescence_problems(server: Endpoints, model: str, num_blocks: int,
+                        gauges: tuple[str, ...] = ZERO_GAUGES) -> list[str]:
     """What is wrong right now (empty when quiescent)."""
     problems = []
     live = http_status(f"{server.http_base}/v2/health/live")
@@ -71,7 +75,7 @@ def quiescence_problems(server: Endpoints, model: str, num_blocks: int) -> list[
         m = scrape(server.metrics_url, model)
     except (urllib.error.URLError, ConnectionError, OSError) as e:
         return problems + [f"/metrics unreadable: {e}"]
-    for name in ZERO_GAUGES:
+    for name in gauges:
         if name not in m:
             problems.append(f"{name} not exported")
         elif m[name] != 0:

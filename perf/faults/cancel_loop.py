@@ -10,8 +10,11 @@ Cancel points, all of them in every iteration:
   streaming      a streamed request cancelled after 1-6 responses, while postprocessing passes tokens on
   http_drop      an HTTP generate_stream dropped after its first event
 Each iteration's first request (the bystander) runs beside them on a stream nobody cancels: it must finish.
-`--stall` adds the trigger of the dynamic arm's crash (docs/faults.md): the llm_dynamic stub is stopped
-(SIGSTOP) for 2.5 s while its batch runs, so the python backend misses its heartbeat.
+`--stall` adds the trigger of the dynamic arm's crash (docs/faults.md): the engine's stub (llm or llm_dynamic)
+is stopped (SIGSTOP) for 2.5 s while its batch runs, once every request of the iteration has reached it, so
+the python backend's parent misses the stub's health ticks. While llm_dynamic's execute() ran the batch, the
+parent waited on that execute, gave up on it, and tritonserver died with SIGSEGV on the stub's next response
+(in the first iteration). Use --block-tokens 400 with it, so the batch still runs when the stall comes.
 
     .venv/bin/python -m perf.faults.cancel_loop --iterations 500                 # both arms, tiny-llama
     .venv/bin/python -m perf.faults.cancel_loop --iterations 50 --arm dynamic --model smollm2 --verbose-log
@@ -35,7 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from server_harness.quiescence import quiescence_problems
+from server_harness.quiescence import ENGINE_ZERO_GAUGES, ZERO_GAUGES, quiescence_problems
 from server_harness.repository import build_repository, copy_model
 from server_harness.server import TritonServer
 from server_harness.stream_client import StreamClient
@@ -124,12 +127,13 @@ class Loop:
         time.sleep(rng.uniform(0.0, 0.02))
         self.count("queued", queued.records["q"].num_responses == 0)
         queued.close(cancel=True)
-        if self.stall and self.arm == "dynamic":
-            self.stall_engine()
         self.count("in_batch", in_batch.records["s"].num_finals == 0)
         in_batch.close(cancel=True)
         k = rng.randint(1, 6)
         streaming.wait_responses("t", k, WAIT_S)
+        if self.stall:  # once every request of this iteration has reached the engine: a batch is running
+            time.sleep(0.3)
+            self.stall_engine()
         self.count("streaming", streaming.records["t"].num_finals == 0)
         streaming.close(cancel=True)
         try:
@@ -162,7 +166,8 @@ class Loop:
         """Cancelled requests the engine never heard of (the dynamic arm, Triton 2.51) run to their end first."""
         deadline = time.monotonic() + WAIT_S
         while True:
-            problems = quiescence_problems(self.server, self.engine_model, num_blocks)
+            gauges = ENGINE_ZERO_GAUGES if self.arm == "dynamic" else ZERO_GAUGES
+            problems = quiescence_problems(self.server, self.engine_model, num_blocks, gauges)
             if not problems:
                 return
             if time.monotonic() > deadline or not self.server.is_running():
@@ -173,11 +178,11 @@ class Loop:
 
 def start_server(args, work: Path) -> TritonServer:
     model = ROOT / "models" / ("SmolLM2-135M-Instruct" if args.model == "smollm2" else "tiny-llama")
-    engine = {"model": model, "num_kv_blocks": args.num_kv_blocks, "metrics_interval_ms": 200}
+    engine = {"model": model, "num_kv_blocks": args.num_kv_blocks}
     source = ROOT / "model_repository"
     repo = build_repository(source, work / "repo", engine, max_batch_size=4, max_queue_delay_us=20_000)
     # Three running at most: the fourth request of an iteration really waits in the in-flight engine's queue.
-    copy_model(source, "llm", repo, params={**engine, "max_num_seqs": 3})
+    copy_model(source, "llm", repo, params={**engine, "max_num_seqs": 3, "metrics_interval_ms": 200})
     extra = ["--log-verbose=1"] if args.verbose_log else []
     return TritonServer(repo, extra, log_path=work / "server.log", exit_timeout_s=10).start()
 
@@ -186,7 +191,7 @@ def write_report(out: Path, args, results: list[ArmResult], crash_lines: list[st
                  cpu: str) -> bool:
     passed = not crash_lines and not leftovers and all(not r.problems for r in results)
     summary = {"passed": passed, "cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
-               "arms": [asdict(r) for r in results], "crash_lines": crash_lines[:20], "leftovers": leftovers}
+               "arms": [{**asdict(r), "points": dict(r.points), "missed": dict(r.missed)} for r in results], "crash_lines": crash_lines[:20], "leftovers": leftovers}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [f"# Cancellation loop: {'PASSED' if passed else 'FAILED'}", "",
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-tokens", type=int, default=64, help="the bystander's tokens (how long a batch runs)")
     p.add_argument("--victim-tokens", type=int, default=32)
     p.add_argument("--check-every", type=int, default=50, help="iterations between quiescence checks")
-    p.add_argument("--stall", action="store_true", help="SIGSTOP llm_dynamic's stub for 2.5 s in each iteration")
+    p.add_argument("--stall", action="store_true", help="SIGSTOP the engine's stub for 2.5 s in each iteration")
     p.add_argument("--verbose-log", action="store_true", help="tritonserver --log-verbose=1")
     p.add_argument("--keep-log", action="store_true", help="copy the server log into the results")
     p.add_argument("--seed", type=int, default=0)

@@ -1,14 +1,16 @@
-"""Triton model `llm_dynamic`: the dynamic batcher's batch runs as one static batch to completion.
+"""Triton model `llm_dynamic`: the dynamic batcher's batches run as static batches to completion.
 
-Glue only: reads the internal interface (dynamic_arm.interface), hands the batch to StaticBatchRunner (which
-blocks until every request has its final), and exports the engine's metrics like `llm` does.
+Glue only: reads the internal interface (dynamic_arm.interface), hands the batch to dynamic_arm.BatchLine (a
+worker thread runs one static batch at a time; execute() returns at once, see batch_line.py for why), and
+exports the engine's metrics like `llm` does.
 """
 import logging
 
 import triton_python_backend_utils as pb_utils
 
+from dynamic_arm.batch_line import BatchLine
 from dynamic_arm.interface import decode_request
-from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
+from dynamic_arm.static_batch import BatchItem, BatchStats, StaticBatchRunner
 from inflight.engine import LLMEngine
 from inflight.fields import InvalidRequestError
 from serving.health_probe import HealthProbe, discover_base_url
@@ -34,7 +36,7 @@ class TritonPythonModel:
         log.info("loading %s with %s", engine_config.model, engine_config)
         self.engine = LLMEngine(engine_config)
         self.transport = TritonTransport(batched=True)
-        self.runner = StaticBatchRunner(
+        runner = StaticBatchRunner(
             self.engine, self.transport,
             is_serving=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])))
         self.sink, self.labels = TritonMetricSink(), metric_labels(args)
@@ -43,17 +45,16 @@ class TritonPythonModel:
         self.exporter.start()
         # Exact batch sizes for the A/B harness (the engine's inflight:batch_size histogram has coarser buckets).
         self._batches = {}
-        self._requests = self.sink.counter("llm_dynamic_requests_total", "Requests execute() received in batches.",
+        self._requests = self.sink.counter("llm_dynamic_requests_total", "Requests run in static batches.",
                                            self.labels)
         self._largest = 0
         self._largest_seen = self.sink.gauge("llm_dynamic_max_batch_size_seen",
-                                             "Largest batch execute() has received.", self.labels)
+                                             "Largest static batch run.", self.labels)
+        batching = model_config.get("dynamic_batching") or {}
+        self.line = BatchLine(runner, model_config["max_batch_size"],
+                              [int(p) for p in batching.get("preferred_batch_size", [])], self._ran)
 
     def execute(self, requests):
-        try:
-            self._record_batch(len(requests))
-        except Exception:  # noqa: BLE001 - metrics must never cost a batch
-            log.exception("recording the batch size failed")
         items = []
         for request in requests:
             sender = request.get_response_sender()
@@ -68,28 +69,17 @@ class TritonPythonModel:
                 send_error(self.transport, sender, unreadable(e))
                 continue
             items.append(BatchItem(sender, request.request_id(), prompt_ids, req, arrival))
-        try:
-            stats = self.runner.run(items)
-        except Exception:  # noqa: BLE001 - the runner already sent every request its final
-            log.exception("static batch failed")
-            return None
-        log.info("batch of %d requests (%d admitted): %d steps in %.2f s (engine %.2f s, sending %.2f s, "
-                 "cancel checks %.2f s)", len(requests), stats.num_admitted, stats.num_steps, stats.seconds,
-                 stats.step_s, stats.send_s, stats.poll_s)
+        self.line.submit(items)
         return None
 
-    def _record_batch(self, size: int) -> None:
-        counter = self._batches.get(size)
-        if counter is None:
-            counter = self._batches[size] = self.sink.counter(
-                "llm_dynamic_batches_total", "Batches execute() received, by batch size.",
-                {**self.labels, "batch_size": str(size)})
-        counter.increment(1)
-        self._requests.increment(size)
-        if size > self._largest:
-            self._largest = size
-            self._largest_seen.set(size)
+    def _ran(self, joined: int, stats: BatchStats) -> None:
+        """After each static batch (on the line's thread): its log line and its size in /metrics."""
+        log.info("batch of %d requests from %d Triton batch(es) (%d admitted): %d steps in %.2f s (engine %.2f s, "
+                 "sending %.2f s, cancel checks %.2f s)", stats.batch_size, joined, stats.num_admitted,
+                 stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
+        self._record_batch(stats.batch_size)
 
     def finalize(self):
+        self.line.close()
         self.exporter.stop()
         log.info("finalize: done")
