@@ -130,6 +130,9 @@ def stop(proc: subprocess.Popen, exit_timeout_s: int, stub_shm: set[str], shm_be
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + 5  # until the killed ones are gone, or their regions look like live ones' below
+    while our_stubs(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     live_others = {argv[STUB_ARG_SHM] for _, argv in python_stubs() if len(argv) > STUB_ARG_SHM}
     for name in sorted((shm_regions() - shm_before) & stub_shm - live_others):
         problems.append(f"shared memory {SHM_DIR / name} left behind: removed")

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from serving.errors import CANCELLED, RequestError
 from serving.lifecycle import send_error
 
-from .static_batch import BatchItem, BatchStats, StaticBatchRunner
+from .static_batch import BatchItem, StaticBatchRunner
 
 log = logging.getLogger(__name__)
 UNLOADING = "cancelled: the model is being unloaded"  # as llm says it, for requests it had accepted
@@ -41,13 +41,14 @@ def next_batch_size(waiting: int, max_batch_size: int, preferred: Sequence[int])
 
 class BatchLine:
     def __init__(self, runner: StaticBatchRunner, max_batch_size: int, preferred: Sequence[int] = (),
-                 on_batch: Callable[[int, BatchStats], None] | None = None):
+                 on_batch: Callable[[int], None] | None = None):
         self.runner = runner
         self.max_batch_size = max(1, max_batch_size)
         self.preferred = sorted(p for p in preferred if 0 < p <= self.max_batch_size)
-        self.on_batch = on_batch  # called after each static batch with (Triton batches joined, stats)
+        self.on_batch = on_batch  # called with its size as each static batch starts (for /metrics)
         self._waiting: deque[tuple[int, BatchItem]] = deque()  # (Triton batch number, item)
         self._batches = 0
+        self.ran: list[tuple[int, int]] = []  # per static batch run: (Triton batches it joined, its size)
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llm_dynamic-batches", daemon=True)
@@ -96,22 +97,26 @@ class BatchLine:
             if taken is None:
                 return
             items = [item for _, item in taken]
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(len(items))
+                except Exception:  # noqa: BLE001 - reporting must never stop the line
+                    log.exception("reporting a batch failed")
             try:
                 stats = self.runner.run(items)  # every item gets its final inside, on every path
             except Exception:  # noqa: BLE001 - the runner already ended every request; the line goes on
                 log.exception("static batch failed")
                 continue
+            log.info("batch of %d requests from %d Triton batch(es) (%d admitted): %d steps in %.2f s (engine %.2f s, "
+                     "sending %.2f s, cancel checks %.2f s)", stats.batch_size, len({n for n, _ in taken}),
+                     stats.num_admitted, stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
+            self.ran.append((len({n for n, _ in taken}), stats.batch_size))
             if self.runner.unload_watch.unloading:  # the model is going: nothing more starts
                 with self._cond:
                     self._closed = True
                     left = [item for _, item in self._waiting]
                     self._waiting.clear()
                 self._refuse(left)
-            if self.on_batch is not None:
-                try:
-                    self.on_batch(len({number for number, _ in taken}), stats)
-                except Exception:  # noqa: BLE001 - reporting must never stop the line
-                    log.exception("reporting a batch failed")
 
     def _refuse(self, items: list[BatchItem]) -> None:
         for item in items:

@@ -52,7 +52,7 @@ class Flight:
     model: str
     rid: str
     sent_at: float
-    outcome: str = "pending"  # finished | error final | stream closed | hang
+    outcome: str = "pending"  # finished | error final | stream closed | refused (not sent: server down) | hang
     detail: str = ""
     ended_at: float | None = None
     finals: int = 0
@@ -88,10 +88,19 @@ class Load:
             self._one(flight)
 
     def _one(self, flight: Flight) -> None:
-        c = StreamClient(self.grpc_url, anonymous_errors=True)  # one request per stream: an error without id is its
+        c = None
         try:
-            c.send(flight.model, flight.rid, "Write a long story about a lighthouse keeper.",
+            c = StreamClient(self.grpc_url, anonymous_errors=True)  # one request per stream: an error without id is
+            c.send(flight.model, flight.rid, "Write a long story about a lighthouse keeper.",  # its
                    {"max_tokens": self.max_tokens, "ignore_eos": True, "stream": True})
+        except Exception as e:  # noqa: BLE001 - the server is down (restarting): the client's call fails at once
+            if c is not None:
+                c.close(cancel=True)
+            flight.outcome, flight.detail = "refused", f"{type(e).__name__}: {e}"[:200]
+            flight.ended_at = time.monotonic()
+            time.sleep(0.5)
+            return
+        try:
             while not c.wait_finals(0.2, ids=[flight.rid]):
                 if c.unmatched_errors:  # the stream broke: no final will ever come on it
                     flight.outcome, flight.detail = "stream closed", c.unmatched_errors[0][:200]
@@ -107,6 +116,8 @@ class Load:
             flight.ended_at = time.monotonic()
         finally:
             c.close(cancel=True)
+        if flight.outcome != "finished":
+            time.sleep(0.5)  # as a client backs off: not hundreds of refusals a second while the server restarts
 
 
 def http_code(url: str) -> int:

@@ -54,7 +54,7 @@ def test_image_holds_no_build_host_settings_and_a_cpu_torch(image):
     assert found == {"cuda": None, "uid": 1000, "leftovers": [], "pip_config": ""}
     inspected = json.loads(podman("image", "inspect", image).stdout)[0]
     # podman shows the HEALTHCHECK next to Config (a docker-format image; the OCI format would drop it).
-    assert "/v2/health/ready" in " ".join(inspected["Healthcheck"]["Test"])
+    assert inspected["Healthcheck"]["Test"][-2:] == ["/opt/llm/scripts/health.py", "ready"], inspected["Healthcheck"]
     assert {"8000/tcp", "8001/tcp", "8002/tcp", "9000/tcp"} <= set(inspected["Config"]["ExposedPorts"])
     assert inspected["Config"]["User"] == "1000:1000"
 

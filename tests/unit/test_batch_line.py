@@ -4,10 +4,19 @@ takes its queue when an instance comes free; every request gets exactly one fina
 import threading
 import time
 
-from engine_helpers import assert_pool_whole
+import pytest
+
+from engine_helpers import TINY, assert_pool_whole
 from dynamic_arm.batch_line import UNLOADING, BatchLine, next_batch_size
 from dynamic_arm.static_batch import StaticBatchRunner
-from test_static_batch import RecordingTransport, engine, item  # noqa: F401 - engine is a fixture
+from inflight import EngineConfig
+from inflight.engine import LLMEngine
+from test_static_batch import RecordingTransport, item
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, static_batching=True))
 
 
 def test_next_batch_size_follows_the_dynamic_batchers_rule():
@@ -45,9 +54,8 @@ def wait_for(condition, timeout_s=60.0):
 
 def test_submit_returns_at_once_and_waiting_batches_join_the_next_static_batch(engine):
     transport = GatedTransport("first")
-    ran = []
-    line = BatchLine(StaticBatchRunner(engine, transport), max_batch_size=8, preferred=[4],
-                     on_batch=lambda joined, stats: ran.append((joined, stats.batch_size)))
+    started = []
+    line = BatchLine(StaticBatchRunner(engine, transport), max_batch_size=8, preferred=[4], on_batch=started.append)
     try:
         t0 = time.monotonic()
         line.submit([item(engine, "first", max_tokens=4, stream=True)])
@@ -57,10 +65,10 @@ def test_submit_returns_at_once_and_waiting_batches_join_the_next_static_batch(e
             line.submit([item(engine, f"b{k}-{j}", max_tokens=3) for j in range(k + 1)])
         assert line.num_waiting == 6
         transport.gate.set()
-        wait_for(lambda: len(ran) == 3)
+        wait_for(lambda: len(line.ran) == 3)
         # Six waited: the largest preferred size (4) first (batches 1 and 2 and the first of batch 3), then the
         # remaining two.
-        assert ran == [(1, 1), (3, 4), (1, 2)]
+        assert line.ran == [(1, 1), (3, 4), (1, 2)] and started == [1, 4, 2]
         names = ["first"] + [f"b{k}-{j}" for k in range(3) for j in range(k + 1)]
         for name in names:
             _, _, error = transport.final(name)

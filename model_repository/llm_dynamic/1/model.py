@@ -10,7 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 from dynamic_arm.batch_line import BatchLine
 from dynamic_arm.interface import decode_request
-from dynamic_arm.static_batch import BatchItem, BatchStats, StaticBatchRunner
+from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
 from inflight.engine import LLMEngine
 from inflight.fields import InvalidRequestError
 from serving.health_probe import HealthProbe, discover_base_url
@@ -52,7 +52,7 @@ class TritonPythonModel:
                                              "Largest static batch run.", self.labels)
         batching = model_config.get("dynamic_batching") or {}
         self.line = BatchLine(runner, model_config["max_batch_size"],
-                              [int(p) for p in batching.get("preferred_batch_size", [])], self._ran)
+                              [int(p) for p in batching.get("preferred_batch_size", [])], self._record_batch)
 
     def execute(self, requests):
         items = []
@@ -72,12 +72,18 @@ class TritonPythonModel:
         self.line.submit(items)
         return None
 
-    def _ran(self, joined: int, stats: BatchStats) -> None:
-        """After each static batch (on the line's thread): its log line and its size in /metrics."""
-        log.info("batch of %d requests from %d Triton batch(es) (%d admitted): %d steps in %.2f s (engine %.2f s, "
-                 "sending %.2f s, cancel checks %.2f s)", stats.batch_size, joined, stats.num_admitted,
-                 stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
-        self._record_batch(stats.batch_size)
+    def _record_batch(self, size: int) -> None:
+        """As each static batch starts (on the line's thread): its size in /metrics."""
+        counter = self._batches.get(size)
+        if counter is None:
+            counter = self._batches[size] = self.sink.counter(
+                "llm_dynamic_batches_total", "Static batches run, by batch size.",
+                {**self.labels, "batch_size": str(size)})
+        counter.increment(1)
+        self._requests.increment(size)
+        if size > self._largest:
+            self._largest = size
+            self._largest_seen.set(size)
 
     def finalize(self):
         self.line.close()
