@@ -19,3 +19,17 @@ def cpuinfo_field(key: str) -> str:
 def cpu_model_name() -> str:
     """The CPU's model name, or "unknown"."""
     return cpuinfo_field("model name") or "unknown"
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """A process's resident memory (VmRSS) in MB, or None when it is gone (or pid is None)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None

@@ -29,11 +29,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from server_harness.host import cpu_model_name
+from server_harness.quiescence import http_status
 from server_harness.repository import build_repository, copy_model, instances
 from server_harness.serve_state import liveness, read_state, readiness
 from server_harness.server import free_ports
@@ -120,16 +120,6 @@ class Load:
             time.sleep(0.5)  # as a client backs off: not hundreds of refusals a second while the server restarts
 
 
-def http_code(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0  # refused: the server is down or restarting
-
-
 @dataclass
 class Tick:
     t_s: float
@@ -144,11 +134,11 @@ class Tick:
 def sample(http_base: str, victim: str, state_file: Path, t_kill: float, grace_s: float) -> Tick:
     state = read_state(state_file)
     now = time.time()
-    triton_ready = http_code(f"{http_base}/v2/health/ready")
+    triton_ready = http_status(f"{http_base}/v2/health/ready")
     dead = zombie_stubs(state.server_pid) if state and state.server_pid else []
     ready = readiness(state, now, triton_ready == 200, dead)
-    live = liveness(state, now, http_code(f"{http_base}/v2/health/live") == 200, grace_s, 600)
-    return Tick(round(time.monotonic() - t_kill, 2), triton_ready, http_code(f"{http_base}/v2/models/{victim}/ready"),
+    live = liveness(state, now, http_status(f"{http_base}/v2/health/live") == 200, grace_s, 600)
+    return Tick(round(time.monotonic() - t_kill, 2), triton_ready, http_status(f"{http_base}/v2/models/{victim}/ready"),
                 ready.ok, live.ok, state.state if state else "none", "" if ready.ok else ready.why)
 
 
@@ -303,8 +293,7 @@ def write(out: Path, args, s: dict, ticks: list[Tick]) -> None:
         w = csv.writer(f)
         w.writerow(list(asdict(ticks[0]).keys()) if ticks else [])
         w.writerows([list(asdict(t).values()) for t in ticks])
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
+    cpu = cpu_model_name()
     fmt = lambda v: "never" if v is None else f"{v:.2f} s"  # noqa: E731
     lines = [f"# A dead `{s['victim']}` stub, {'restarted by serve.py' if s['restart'] else 'left alone'} — "
              f"{'PASSED' if s['passed'] else 'FAILED'}", "",

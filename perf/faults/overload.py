@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from server_harness.host import cpu_model_name, rss_mb
 from server_harness.quiescence import quiescence_problems, scrape
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer
@@ -44,16 +45,6 @@ class Shape:
 
     def values(self) -> dict:
         return {"max_tokens": self.max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0}
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def p(values: list[float], q: float) -> float | None:
@@ -278,21 +269,14 @@ def run(server: TritonServer, shape: Shape, args) -> dict:
             "quiescence_problems": quiet, "passed": all(checks.values())}
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def write(out: Path, args, s: dict) -> None:
     (out / "summary.json").write_text(json.dumps(s, indent=2, default=str) + "\n")
     b = s["burst"]
     fmt = lambda v, d=3: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = [f"# Overload: {s['factor']:g}x for {s['burst_s'] / 60:.1f} minutes — "
              f"{'PASSED' if s['passed'] else 'FAILED'}", "",
-             f"`python -m perf.faults.overload {' '.join(sys.argv[1:])}` on {cpu_name()} (2 cores, shared with other "
-             f"jobs); model {'tiny-llama' if args.tiny else 'SmolLM2-135M-Instruct'}, `llm` with the product's "
+             f"`python -m perf.faults.overload {' '.join(sys.argv[1:])}` on {cpu_model_name()} (2 cores, shared with "
+             f"other jobs); model {'tiny-llama' if args.tiny else 'SmolLM2-135M-Instruct'}, `llm` with the product's "
              f"config (one instance, max_queue_size 256, max_num_seqs 64); every request {s['max_tokens']} "
              "tokens, streamed.", "",
              "| what | figure |", "|---|---|",

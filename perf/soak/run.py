@@ -36,6 +36,7 @@ from perf.soak.report import Accounting, Sample, summarize, write_outputs
 from perf.soak.traffic import ENGINE_BOUND, MIXES, Endpoints, Traffic, finals_check
 from server_harness.container import ImageServer, podman, repository_with
 from server_harness.prometheus import run_prometheus, scrape_config
+from server_harness.host import cpu_model_name, rss_mb
 from server_harness.quiescence import quiescence_problems, scrape
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer, free_ports
@@ -47,25 +48,6 @@ FINISHED = "vllm:request_success_total"
 ENGINE_MODELS = ("llm", "llm_dynamic")
 _SAMPLE = re.compile(r"^((?:vllm|inflight):[a-zA-Z0-9_:]+)\{([^}]*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def by_instance(metrics_url: str) -> dict[str, dict[str, float]]:
@@ -218,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"duration_s": duration, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "model": model_name, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed, "server": where,
               "instances": args.instances if args.image else 1, "mix": mix, "prometheus": args.prometheus,
-              "sample_every_s": every, "started": result["started"], "cpu": cpu_name()}
+              "sample_every_s": every, "started": result["started"], "cpu": cpu_model_name()}
     write_outputs(out_dir, config, result["summary"], result["samples"], result["outcomes"])
     s = result["summary"]
     print(json.dumps({k: s[k] for k in ("requests", "missing_finals", "duplicate_finals", "leaked_blocks",
