@@ -16,18 +16,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-import urllib.request
 
+from server_harness.quiescence import http_status
 from server_harness.serve_state import liveness, read_state, readiness, state_path
 from server_harness.stub_watch import zombie_stubs
 
 
 def answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=3) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+    return http_status(url, timeout_s=3.0) == 200  # two asks fit the probes' 5 s
 
 
 def main(argv: list[str]) -> int:

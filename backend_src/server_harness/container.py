@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Mapping
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .server import free_ports
+from .quiescence import http_status
+from .server import LoopbackEndpoints, free_ports
 
 MOUNT = "/opt/llm/soak_repository"  # beside /opt/llm/models, so ../models/... resolves as in the image
 ENGINES = ("llm", "llm_dynamic")
@@ -71,7 +71,7 @@ def _children(pid: int) -> list[int]:
 
 
 @dataclass
-class ImageServer:
+class ImageServer(LoopbackEndpoints):
     """One container of `image`; start() waits until ready through the published port."""
     image: str
     repository: Path | None = None  # mounted as the served repository (None: the image's own)
@@ -82,18 +82,6 @@ class ImageServer:
 
     def __post_init__(self) -> None:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
-
-    @property
-    def http_base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def openai_base(self) -> str:
@@ -110,21 +98,14 @@ class ImageServer:
         podman(*args, self.image)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            if self._answers(f"{self.http_base}/v2/health/ready") and self._answers(f"{self.openai_base}/health"):
+            if (http_status(f"{self.http_base}/v2/health/ready") == 200
+                    and http_status(f"{self.openai_base}/health") == 200):
                 return self
             if not self.running():
                 raise RuntimeError(f"container {self.name} exited before ready:\n{self.logs()[-3000:]}")
             time.sleep(1)
         raise RuntimeError(f"container {self.name} not ready after {self.ready_timeout_s:.0f} s:\n"
                            f"{self.logs()[-3000:]}")
-
-    @staticmethod
-    def _answers(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
 
     def running(self) -> bool:
         done = podman("inspect", "--format", "{{.State.Running}}", self.name, check=False)

@@ -51,9 +51,10 @@ def scrape(metrics_url: str, model: str) -> dict[str, float]:
     return out
 
 
-def http_status(url: str) -> int:
+def http_status(url: str, timeout_s: float = 5.0) -> int:
+    """The HTTP status `url` answers with; 0 when nothing answers (refused, timed out)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code

@@ -69,7 +69,28 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class TritonServer:
+class LoopbackEndpoints:
+    """The addresses of a server whose HTTP, gRPC and metrics ports (http_port, grpc_port, metrics_port) are on
+    127.0.0.1: a tritonserver of ours, or a container's published ports."""
+
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http_base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+class TritonServer(LoopbackEndpoints):
     """One tritonserver process on free loopback ports.
 
     http_url / grpc_url are "127.0.0.1:PORT", the form tritonclient takes; http_base is the
@@ -126,18 +147,6 @@ class TritonServer:
     @property
     def http_url(self) -> str:
         return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def http_base(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def log_text(self) -> str:
         try:
