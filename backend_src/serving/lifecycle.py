@@ -191,12 +191,16 @@ def by_request(outs: list[RequestOutput]) -> dict[str, list[RequestOutput]]:
     return groups
 
 
+def naming_request(error: RequestError, client_id: str) -> RequestError:
+    """The error with the client's request id at the end of its message: a gRPC stream delivers errors without
+    the id, so on a shared stream this is how clients match them. (At the end: clients classify errors by how the
+    message starts, "<field>=<value> ...".)"""
+    return RequestError(f"{error.message} (request id {client_id!r})", error.code) if client_id else error
+
+
 def send_error(transport: Transport, sender: Any, error: RequestError, client_id: str = "") -> None:
-    """A request's one final, as an error. The message ends with the client's request id: a gRPC stream
-    delivers errors without the id, so on a shared stream this is how clients match them. (At the end:
-    clients classify errors by how the message starts, "<field>=<value> ...".)"""
-    if client_id:
-        error = RequestError(f"{error.message} (request id {client_id!r})", error.code)
+    """A request's one final, as an error naming the request (naming_request)."""
+    error = naming_request(error, client_id)
     try:
         transport.send(sender, None, final=True, error=error)
     except Exception:  # noqa: BLE001 - nothing more can be done for this request

@@ -37,7 +37,7 @@ from perf.soak.traffic import ENGINE_BOUND, MIXES, Endpoints, Traffic, finals_ch
 from server_harness.container import ImageServer, podman, repository_with
 from server_harness.prometheus import run_prometheus, scrape_config
 from server_harness.host import cpu_model_name, rss_mb
-from server_harness.quiescence import quiescence_problems, scrape
+from server_harness.quiescence import ENGINE_ZERO_GAUGES, ZERO_GAUGES, quiescence_problems, scrape
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer, free_ports
 from server_harness.stub_watch import server_stubs
@@ -93,12 +93,18 @@ class Probe:
             preemptions=llm.get("vllm:num_preemptions_total"), requests_sent=sum(traffic.counts().values()))
 
 
+def gauges_of(model: str) -> tuple[str, ...]:
+    """llm_dynamic has no frontend, so no inflight:num_requests_inflight gauge (server_harness.quiescence)."""
+    return ENGINE_ZERO_GAUGES if model == "llm_dynamic" else ZERO_GAUGES
+
+
 def wait_quiescent(ep: Endpoints, models: dict[str, int], timeout_s: float, settle_s: float) -> list[str]:
     """models: name -> blocks of all its instances together."""
     deadline = time.monotonic() + timeout_s
     good_since = None
     while True:
-        problems = [p for model, blocks in models.items() for p in quiescence_problems(ep, model, blocks)]
+        problems = [p for model, blocks in models.items()
+                    for p in quiescence_problems(ep, model, blocks, gauges_of(model))]
         now = time.monotonic()
         good_since = None if problems else (good_since or now)
         if good_since is not None and now - good_since >= settle_s:

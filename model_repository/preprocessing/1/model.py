@@ -12,6 +12,7 @@ from inflight.fields import InvalidRequestError
 from inflight.prompt import PromptEncoder
 from serving.contract import parse_request
 from serving.errors import INVALID_ARG, RequestError
+from serving.lifecycle import naming_request
 from serving.triton_glue import error_response, model_options, read_inputs
 
 log = logging.getLogger("preprocessing")
@@ -43,11 +44,12 @@ class TritonPythonModel:
                                           "arm: allowed on the in-flight model `llm`; cancel the stream instead")
             ids = self.prompts.encode(req.prompt, chat=req.apply_chat_template)
         except (InvalidRequestError, ValueError) as e:
-            return error_response(RequestError(str(e), INVALID_ARG))
+            return error_response(naming_request(RequestError(str(e), INVALID_ARG), request.request_id()))
         except Exception as e:  # noqa: BLE001 - this request only
             log.exception("preprocessing failed")
-            return error_response(RequestError(f"internal error in preprocessing: {type(e).__name__}: {e}",
-                                               "INTERNAL"))
+            return error_response(naming_request(
+                RequestError(f"internal error in preprocessing: {type(e).__name__}: {e}", "INTERNAL"),
+                request.request_id()))
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
             pb_utils.Tensor("request_config", np.array([[encode_request(req, arrival_unix)]], dtype=np.object_)),
