@@ -9,12 +9,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 
-def infer_inputs(values: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
-    """One InferInput per array, its shape and Triton type taken from the array (object arrays: BYTES)."""
+def infer_inputs(values: dict[str, np.ndarray], client=grpcclient) -> list:
+    """One InferInput per array, its shape and Triton type taken from the array (object arrays: BYTES); `client`:
+    tritonclient.grpc (default) or tritonclient.http."""
     inputs = []
     for name, array in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                       else np_to_triton_dtype(array.dtype))
+        tensor = client.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                   else np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs

@@ -48,7 +48,8 @@ class BatchLine:
         self.on_batch = on_batch  # called with its size as each static batch starts (for /metrics)
         self._waiting: deque[tuple[int, BatchItem]] = deque()  # (Triton batch number, item)
         self._batches = 0
-        self.ran: list[tuple[int, int]] = []  # per static batch run: (Triton batches it joined, its size)
+        # The latest static batches run, (Triton batches joined, size): bounded, since the line runs for days.
+        self.ran: deque[tuple[int, int]] = deque(maxlen=64)
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llm_dynamic-batches", daemon=True)
@@ -107,10 +108,11 @@ class BatchLine:
             except Exception:  # noqa: BLE001 - the runner already ended every request; the line goes on
                 log.exception("static batch failed")
                 continue
+            joined = len({n for n, _ in taken})
             log.info("batch of %d requests from %d Triton batch(es) (%d admitted): %d steps in %.2f s (engine %.2f s, "
-                     "sending %.2f s, cancel checks %.2f s)", stats.batch_size, len({n for n, _ in taken}),
-                     stats.num_admitted, stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
-            self.ran.append((len({n for n, _ in taken}), stats.batch_size))
+                     "sending %.2f s, cancel checks %.2f s)", stats.batch_size, joined, stats.num_admitted,
+                     stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
+            self.ran.append((joined, stats.batch_size))
             if self.runner.unload_watch.unloading:  # the model is going: nothing more starts
                 with self._cond:
                     self._closed = True

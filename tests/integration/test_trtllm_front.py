@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import np_to_triton_dtype
 
 from grpc_helpers import infer_inputs
 from engine_helpers import MODEL_REPOSITORY, TINY
@@ -110,13 +109,8 @@ def test_plain_infer_over_http_on_the_unary_model(server):
 
 def http_infer(server, model, values: dict, outputs=None):
     client = httpclient.InferenceServerClient(server.http_url)
-    inputs = []
-    for name, array in values.items():
-        t = httpclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype))
-        t.set_data_from_numpy(array)
-        inputs.append(t)
-    return client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput(n) for n in outputs or []] or None)
+    return client.infer(model, infer_inputs(values, httpclient),
+                        outputs=[httpclient.InferRequestedOutput(n) for n in outputs or []] or None)
 
 
 def test_the_inner_models_one_by_one_give_what_the_whole_pipeline_gives(server):

@@ -68,7 +68,7 @@ def test_submit_returns_at_once_and_waiting_batches_join_the_next_static_batch(e
         wait_for(lambda: len(line.ran) == 3)
         # Six waited: the largest preferred size (4) first (batches 1 and 2 and the first of batch 3), then the
         # remaining two.
-        assert line.ran == [(1, 1), (3, 4), (1, 2)] and started == [1, 4, 2]
+        assert list(line.ran) == [(1, 1), (3, 4), (1, 2)] and started == [1, 4, 2]
         names = ["first"] + [f"b{k}-{j}" for k in range(3) for j in range(k + 1)]
         for name in names:
             _, _, error = transport.final(name)
