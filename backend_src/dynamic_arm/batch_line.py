@@ -110,8 +110,9 @@ class BatchLine:
                 continue
             joined = len({n for n, _ in taken})
             log.info("batch of %d requests from %d Triton batch(es) (%d admitted): %d steps in %.2f s (engine %.2f s, "
-                     "sending %.2f s, cancel checks %.2f s)", stats.batch_size, joined, stats.num_admitted,
-                     stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s)
+                     "sending %.2f s, cancel checks %.2f s; %d ensemble cancels relayed)", stats.batch_size, joined,
+                     stats.num_admitted, stats.num_steps, stats.seconds, stats.step_s, stats.send_s, stats.poll_s,
+                     stats.relayed_cancels)
             self.ran.append((joined, stats.batch_size))
             if self.runner.unload_watch.unloading:  # the model is going: nothing more starts
                 with self._cond:

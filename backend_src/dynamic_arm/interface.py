@@ -6,6 +6,8 @@ preprocessing parses the public contract once (serving.contract) and tokenizes; 
                               (when preprocessing saw it, for TTFT), "prompt" (only when it must be echoed)}
 and answers every response with the public outputs (serving.lifecycle.Responder, the same code as `llm`) plus
   output_ids      INT32 [-1]  the token ids this response carries (all of them when not streaming)
+  row_key         BYTES [1]   the row's random key: postprocessing posts it when the client cancels the
+                              ensemble (cancel_relay.py)
 postprocessing checks the two agree and passes the public outputs on. JSON keeps every sampling field,
 including the list-valued ones (stop, bad_words), in one tensor, validated again on arrival.
 """

@@ -54,6 +54,7 @@ class LiveRequest:
     abort_reason: str | None = None  # set once an abort was asked for, and why
     error: RequestError | None = None  # what ended the request, when it did not finish
     done: bool = False  # the final went out: the sender must never be touched again
+    extra_outputs: dict[str, np.ndarray] = field(default_factory=dict)  # sent with every data response
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -164,6 +165,7 @@ class Responder:
         if req.return_log_probs:  # TensorRT-LLM's names
             outputs["cum_log_probs"] = np.array([s.cumulative_logprob for s in samples], dtype=np.float32)
             outputs["output_log_probs"] = _padded([[t.logprob for t in s.logprobs] for s in samples])
+        outputs.update(live.extra_outputs)
         return outputs
 
     def is_cancelled(self, live: LiveRequest) -> bool:

@@ -184,7 +184,8 @@ class Traffic:
         return Outcome(action, rid, True, cause="cancelled")
 
     def _ens_cancel(self, client, rid, rng) -> Outcome:
-        """Cancelled at the ensemble: Triton 2.51 does not pass it on to llm_dynamic, which runs it to its end."""
+        """Cancelled at the ensemble: Triton 2.51 does not pass it on to llm_dynamic's running step; the cancel
+        relay does (dynamic_arm/cancel_relay.py), at the row's next response."""
         return self._grpc_cancel(client, rid, rng, model=self.endpoints.ensemble_model, action="ens_cancel")
 
     def _stop_cancel(self, client, rid, rng) -> Outcome:

@@ -4,6 +4,7 @@ A/B harness runs end to end in --tiny."""
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 import threading
@@ -15,10 +16,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from dynamic_arm.cancel_relay import CancelRelay
 from engine_helpers import MODEL_REPOSITORY
 from grpc_helpers import stream_to_final
 from server_harness.repository import build_repository
 from server_harness.server import TritonServer
+from server_harness.stream_client import StreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +126,43 @@ def test_triton_hands_execute_several_requests_and_a_bad_one_costs_only_itself(s
         responses, error = results[i]
         assert error is None and sum(r["num_output_tokens"][0] for r in responses) == 6 + i
     assert "batch of" in server.log_text()
+
+
+def test_a_cancelled_ensemble_stream_stops_its_row_in_llm_dynamic(server):
+    """Triton 2.51 does not cancel an ensemble step that is running, only the steps it schedules after the cancel:
+    postprocessing's next call arrives marked and posts the row's key (dynamic_arm/cancel_relay.py), and
+    llm_dynamic aborts the row instead of computing all of its max_tokens."""
+    max_tokens = 1500
+    offset, started = len(server.log_text()), time.time()
+    ended_before = ensemble_requests_ended(server)
+    client = StreamClient(server.grpc_url)
+    client.send("llm_ensemble", "victim", PROMPTS[2], {"max_tokens": max_tokens, "ignore_eos": True, "stream": True})
+    try:
+        assert client.wait_responses("victim", 2, timeout_s=60)
+    finally:
+        client.close(cancel=True)
+    deadline = time.monotonic() + 60
+    while "ensemble cancels relayed" not in server.log_text()[offset:]:
+        assert time.monotonic() < deadline, "llm_dynamic's batch never ended"
+        time.sleep(0.1)
+    line = next(ln for ln in server.log_text()[offset:].splitlines() if "ensemble cancels relayed" in ln)
+    steps = int(re.search(r": (\d+) steps in", line).group(1))
+    assert "1 ensemble cancels relayed" in line and steps < max_tokens // 2, line
+    # Triton released the ensemble request (no step of it failed, so its ensemble completed).
+    while ensemble_requests_ended(server) == ended_before:
+        assert time.monotonic() < deadline, "llm_ensemble still holds the cancelled request"
+        time.sleep(0.1)
+    # The arm serves on, and the relay left no post behind.
+    got, error = generate(server.grpc_url, "llm_ensemble", PROMPTS[0], max_tokens=5, ignore_eos=True, stream=True)
+    assert error is None and text_of(got)
+    assert not [p.name for p in CancelRelay().directory.glob("*") if p.stat().st_mtime >= started - 1]
+
+
+def ensemble_requests_ended(server) -> int:
+    """Requests llm_ensemble has released, by Triton's statistics (it counts a request once it lets it go)."""
+    stats = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics("llm_ensemble", as_json=True)
+    infer = stats["model_stats"][0]["inference_stats"]
+    return sum(int(infer.get(k, {}).get("count", 0)) for k in ("success", "fail"))
 
 
 def test_config_swap_serves_llm_with_the_dynamic_arm(repo, server, tmp_path):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import ROOT, TINY, assert_pool_whole
+from dynamic_arm.cancel_relay import CancelRelay, new_key
 from dynamic_arm.interface import decode_request, encode_request, to_public_outputs
 from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
 from inflight import EngineConfig, InvalidRequestError
@@ -97,6 +98,42 @@ def test_cancellation_is_polled_every_step_and_frees_the_request(engine):
     assert len(transport.sent["quitter"]) == 3  # two data responses, then the cancelled final
     assert transport.final("stayer")[2] is None
     assert stats.num_steps == 12  # the batch no longer waits for the cancelled 30-token request
+    assert_pool_whole(engine)
+
+
+class PostingTransport(RecordingTransport):
+    """Plays postprocessing's part: after a row's post_after-th response, the client cancels the ensemble and the
+    next postprocessing call posts the row's key (the `row_key` output) to the relay."""
+
+    def __init__(self, relay: CancelRelay, post_after: dict[str, int]):
+        super().__init__()
+        self.relay, self.post_after = relay, post_after
+
+    def send(self, sender, outputs, final, error=None):
+        super().send(sender, outputs, final, error)
+        if outputs is not None and len(self.sent[sender]) == self.post_after.get(sender):
+            assert self.relay.post(outputs["row_key"][0].decode())
+
+
+def test_a_cancel_relayed_from_postprocessing_aborts_only_that_row(engine, tmp_path):
+    relay = CancelRelay(tmp_path / "relay")
+    transport = PostingTransport(relay, post_after={"quitter": 2})
+    runner = StaticBatchRunner(engine, transport, relay=relay)
+    items = [item(engine, "quitter", max_tokens=30, stream=True, return_finish_reason=True),
+             item(engine, "stayer", max_tokens=12, stream=True)]
+    for it in items:
+        it.row_key = new_key()
+    stats = runner.run(items)
+    assert stats.relayed_cancels == 1
+    # A final data response, not an error: an ensemble step that fails while another streams hangs Triton 2.51.
+    outputs, _, error = transport.final("quitter")
+    assert error is None and outputs["finish_reason"].tolist() == [b"cancelled"]
+    assert len(transport.sent["quitter"]) == 3  # two data responses, then the final
+    assert transport.final("stayer")[2] is None and stats.num_steps == 12  # the batch stops waiting for 30
+    for it in items:  # every data response carries its own row's key
+        keys = {o["row_key"][0].decode() for o, _, e in transport.sent[it.client_id] if e is None}
+        assert keys == {it.row_key}
+    assert list(relay.directory.iterdir()) == []  # the batch cleared its posts
     assert_pool_whole(engine)
 
 

@@ -9,6 +9,7 @@ import logging
 import triton_python_backend_utils as pb_utils
 
 from dynamic_arm.batch_line import BatchLine
+from dynamic_arm.cancel_relay import CancelRelay, new_key
 from dynamic_arm.interface import decode_request
 from dynamic_arm.static_batch import BatchItem, StaticBatchRunner
 from inflight.engine import LLMEngine
@@ -38,7 +39,8 @@ class TritonPythonModel:
         self.transport = TritonTransport(batched=True)
         runner = StaticBatchRunner(
             self.engine, self.transport,
-            is_serving=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])))
+            is_serving=HealthProbe.for_model(discover_base_url(), args["model_name"], str(args["model_version"])),
+            relay=CancelRelay())  # postprocessing posts the rows whose client cancelled llm_ensemble
         self.sink, self.labels = TritonMetricSink(), metric_labels(args)
         self.exporter = MetricsExporter(self.engine.metrics.snapshot, self.sink, self.labels,
                                         options.metrics_interval_s)
@@ -68,7 +70,7 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001 - this request only; the rest of the batch proceeds
                 send_error(self.transport, sender, unreadable(e))
                 continue
-            items.append(BatchItem(sender, request.request_id(), prompt_ids, req, arrival))
+            items.append(BatchItem(sender, request.request_id(), prompt_ids, req, arrival, row_key=new_key()))
         self.line.submit(items)
         return None
 
