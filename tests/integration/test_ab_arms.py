@@ -158,6 +158,28 @@ def test_a_cancelled_ensemble_stream_stops_its_row_in_llm_dynamic(server):
     assert not [p.name for p in CancelRelay().directory.glob("*") if p.stat().st_mtime >= started - 1]
 
 
+def triton_failures(server, model: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_request_failure{") and f'model="{model}"' in line)
+
+
+def test_triton_counts_each_refused_ensemble_request_twice(server):
+    """Why docker/prometheus/alerts.yml halves llm_ensemble's failure count: Triton 2.51 reports a failed ensemble
+    request both when it sends the error and when it releases the request. If this changes, change the rule."""
+    before = triton_failures(server, "llm_ensemble")
+    for _ in range(3):
+        _, error = generate(server.grpc_url, "llm_ensemble", "", max_tokens=4)
+        assert error is not None and "text_input" in error
+    deadline = time.monotonic() + 15  # Triton refreshes /metrics every 2 s
+    while triton_failures(server, "llm_ensemble") < before + 6:
+        assert time.monotonic() < deadline, triton_failures(server, "llm_ensemble") - before
+        time.sleep(0.5)
+    time.sleep(2.5)
+    assert triton_failures(server, "llm_ensemble") == before + 6
+    assert triton_failures(server, "preprocessing") == 0  # the step that refused them counts none
+
+
 def ensemble_requests_ended(server) -> int:
     """Requests llm_ensemble has released, by Triton's statistics (it counts a request once it lets it go)."""
     stats = grpcclient.InferenceServerClient(server.grpc_url).get_inference_statistics("llm_ensemble", as_json=True)
