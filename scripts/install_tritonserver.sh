@@ -28,6 +28,12 @@ if ! cmp -s "$STUB_SRC" "$STUB_DST"; then
   cp --remove-destination "$STUB_SRC" "$STUB_DST"
 fi
 
+# jemalloc, where the machine has it (Debian's libjemalloc2; the image installs it): with glibc's malloc,
+# tritonserver keeps the memory its response and stream buffers freed, and its RSS climbs for hours under
+# streaming load (Triton's release notes advise tcmalloc or jemalloc; docs/faults.md has our figures).
+# TRITON_MALLOC=system at run time keeps glibc's.
+JEMALLOC=$(/sbin/ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 /{print $NF; exit}' || true)
+
 # LIBDIR: without it the stub picks up another libpython and `import torch` fails with an undefined
 # symbol. PATH/VIRTUAL_ENV: the stub finds the venv's packages through them.
 write_exec "$VENV/bin/tritonserver" <<WRAPPER
@@ -36,5 +42,8 @@ write_exec "$VENV/bin/tritonserver" <<WRAPPER
 export LD_LIBRARY_PATH="$TRITON_LIBS:$LIBDIR\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export PATH="$VENV/bin:\$PATH"
 export VIRTUAL_ENV="$VENV"
+if [ -n "$JEMALLOC" ] && [ -e "$JEMALLOC" ] && [ "\${TRITON_MALLOC:-jemalloc}" = jemalloc ]; then
+  export LD_PRELOAD="$JEMALLOC\${LD_PRELOAD:+:\$LD_PRELOAD}"
+fi
 exec "$TRITON/bin/tritonserver" --backend-directory="$TRITON/backends" "\$@"
 WRAPPER

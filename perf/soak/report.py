@@ -144,6 +144,11 @@ def summarize(outcomes, samples: list[Sample], missing: int, duplicate: int, exa
     return summary
 
 
+def _unreachable(s: dict) -> str:
+    times = [f"t={u['t_s']:.0f} s" for u in s.get("metrics_unreachable") or []]
+    return ", ".join(times) if times else "0"
+
+
 def _fmt(v, digits: int = 1) -> str:
     if v is None:
         return "n/a"
@@ -225,6 +230,7 @@ def _markdown(config: dict, s: dict, samples: list[Sample], procs: list[str], pl
         f"| quiescent at the end (queues empty, in-flight 0, live, ready) | "
         f"{'yes' if not s['quiescence_problems'] else '; '.join(s['quiescence_problems'])} |",
         f"| outcomes not as expected | {s['failed_outcomes']} |",
+        f"| samples the server's metrics did not answer (a restart, a hang) | {_unreachable(s)} |",
         f"| stub/shm left behind, or an unclean stop | {len(s.get('leftovers') or [])} |",
         f"| alerts that fired | {len([a for a in s['alerts'] if a['state'] == 'firing'])} |",
         "",

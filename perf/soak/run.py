@@ -192,7 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             target = ep.metrics_url.split("//", 1)[1].split("/", 1)[0]
             config = scrape_config(PROMETHEUS / "prometheus.yml", PROMETHEUS / "alerts.yml", [target], "5s", "15s")
             prom = stack.enter_context(run_prometheus(work / "prometheus", port, config))
-        result = soak(args, ep, duration, every, probe, models, mix, prom)
+        try:
+            result = soak(args, ep, duration, every, probe, models, mix, prom)
+        except BaseException:
+            if args.image:  # the container goes with the stack: keep its log for the post-mortem
+                (out_dir / "server.log").write_text(server.logs()[-1_000_000:])
+                print(f"==> the container's log: {out_dir / 'server.log'}", flush=True)
+            raise
+        if args.image and result["summary"]["metrics_unreachable"]:
+            (out_dir / "server.log").write_text(server.logs()[-1_000_000:])
         if args.image:
             health = podman("healthcheck", "run", server.name, check=False)
             result["summary"]["healthcheck_at_end"] = "healthy" if health.returncode == 0 else health.stdout.strip()
@@ -225,11 +233,17 @@ def soak(args, ep: Endpoints, duration: float, every: float, probe: Probe, model
     t0 = time.monotonic()
     wall0 = time.time()
     samples = [probe.sample(t0, traffic)]
+    unreachable: list[dict] = []  # samples the server did not answer: a restart, a hang; the run goes on
     runner = threading.Thread(target=traffic.run, args=(duration,), daemon=True)
     runner.start()
     while runner.is_alive():
         runner.join(every)
-        samples.append(probe.sample(t0, traffic))
+        try:
+            samples.append(probe.sample(t0, traffic))
+        except OSError as e:  # URLError, a refused or reset connection, a timeout
+            unreachable.append({"t_s": round(time.monotonic() - t0, 1), "error": str(e)[:200]})
+            print(f"  t={unreachable[-1]['t_s']:>6.0f}s metrics unreachable: {e}", flush=True)
+            continue
         last = samples[-1]
         stubs = sum(v for k, v in last.rss_mb.items() if k != "tritonserver")
         print(f"  t={last.t_s:>6.0f}s sent={last.requests_sent} stubs_rss={stubs:.0f}MB "
@@ -244,6 +258,8 @@ def soak(args, ep: Endpoints, duration: float, every: float, probe: Probe, model
     accounting = Accounting(engine_bound=engine_bound, server_finished=probe.finished_total() - before,
                             pool_per_instance=args.num_kv_blocks, kv_end=samples[-1].kv, quiescence_problems=problems)
     summary = summarize(traffic.outcomes, samples, missing, duplicate, examples, accounting, t0, duration)
+    summary["metrics_unreachable"] = unreachable
+    summary["passed"] = summary["passed"] and not unreachable
     if prom is not None:
         time.sleep(20)  # one more rule evaluation (15 s) after the traffic
         summary["alerts"] = alerts_seen(prom, wall0, time.time())

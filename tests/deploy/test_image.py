@@ -90,6 +90,13 @@ def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clea
         )).stdout)
         assert len(uids) >= 5 and set(uids.values()) == {"1000"}, uids
 
+        # tritonserver runs on jemalloc (scripts/install_tritonserver.sh): glibc's malloc let its RSS climb.
+        mapped = podman("exec", name, "python", "-c", (
+            "import pathlib; print(sorted({p.parent.name for p in pathlib.Path('/proc').glob('[0-9]*/maps')"
+            " if 'libjemalloc' in p.read_text() and 'tritonserver' in (p.parent / 'comm').read_text()}))"
+        )).stdout.strip()
+        assert mapped not in ("", "[]"), "tritonserver does not map libjemalloc"
+
         chat = post_json(f"http://127.0.0.1:{openai}/v1/chat/completions",
                          {"model": "llm", "max_tokens": 8, "temperature": 0,
                           "messages": [{"role": "user", "content": "What is the capital of France?"}]})

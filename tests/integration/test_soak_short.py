@@ -25,7 +25,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert s["requests"] > 50
     assert (s["missing_finals"], s["duplicate_finals"], s["failed_outcomes"]) == (0, 0, 0), s["finals_examples"] + \
         s["failed_examples"]
-    assert s["leaked_blocks"] == 0 and s["quiescence_problems"] == []
+    assert s["leaked_blocks"] == 0 and s["quiescence_problems"] == [] and s["metrics_unreachable"] == []
     assert s["server_count_mismatch"] == 0 and s["engine_bound_requests"] > 0
     assert set(s["by_action"]) == {"stream", "nonstream", "http", "grpc_cancel", "stop_cancel", "http_drop", "bad"}
     assert s["leftovers"] == []
