@@ -28,9 +28,9 @@ if ! cmp -s "$STUB_SRC" "$STUB_DST"; then
   cp --remove-destination "$STUB_SRC" "$STUB_DST"
 fi
 
-# jemalloc, where the machine has it (Debian's libjemalloc2; the image installs it): with glibc's malloc,
-# tritonserver keeps the memory its response and stream buffers freed, and its RSS climbs for hours under
-# streaming load (Triton's release notes advise tcmalloc or jemalloc; docs/faults.md has our figures).
+# jemalloc, where the machine has it (Debian's libjemalloc2; the image installs it): on glibc's malloc
+# tritonserver keeps much of what it frees (10 minutes of mixed load: +23% RSS after warm-up, +4.4% on
+# jemalloc; perf/results/malloc-tritonserver). Triton's release notes give the same advice.
 # TRITON_MALLOC=system at run time keeps glibc's.
 JEMALLOC=$(/sbin/ldconfig -p 2>/dev/null | awk '/libjemalloc\.so\.2 /{print $NF; exit}' || true)
 

@@ -192,15 +192,18 @@ def main(argv: list[str] | None = None) -> int:
             target = ep.metrics_url.split("//", 1)[1].split("/", 1)[0]
             config = scrape_config(PROMETHEUS / "prometheus.yml", PROMETHEUS / "alerts.yml", [target], "5s", "15s")
             prom = stack.enter_context(run_prometheus(work / "prometheus", port, config))
+        def keep_container_log() -> None:  # the container goes with the stack: keep its log for the post-mortem
+            (out_dir / "server.log").write_text(server.logs()[-1_000_000:])
+            print(f"==> the container's log: {out_dir / 'server.log'}", flush=True)
+
         try:
             result = soak(args, ep, duration, every, probe, models, mix, prom)
         except BaseException:
-            if args.image:  # the container goes with the stack: keep its log for the post-mortem
-                (out_dir / "server.log").write_text(server.logs()[-1_000_000:])
-                print(f"==> the container's log: {out_dir / 'server.log'}", flush=True)
+            if args.image:
+                keep_container_log()
             raise
         if args.image and result["summary"]["metrics_unreachable"]:
-            (out_dir / "server.log").write_text(server.logs()[-1_000_000:])
+            keep_container_log()
         if args.image:
             health = podman("healthcheck", "run", server.name, check=False)
             result["summary"]["healthcheck_at_end"] = "healthy" if health.returncode == 0 else health.stdout.strip()
