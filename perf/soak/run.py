@@ -114,6 +114,24 @@ def wait_quiescent(ep: Endpoints, models: dict[str, int], timeout_s: float, sett
         time.sleep(0.2)
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """"ens_stream=3,ens_cancel=1" -> weights by action; every action must be one the traffic knows."""
+    known = set().union(*MIXES.values())
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        action, _, weight = part.partition("=")
+        action = action.strip()
+        if action not in known:
+            raise argparse.ArgumentTypeError(f"mix: unknown action {action!r}; known: {', '.join(sorted(known))}")
+        try:
+            mix[action] = float(weight) if weight else 1.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"mix: weight of {action} must be a number, got {weight!r}") from None
+        if mix[action] <= 0:
+            raise argparse.ArgumentTypeError(f"mix: weight of {action} must be > 0, got {weight}")
+    return mix
+
+
 def host_server(args, work: Path) -> TritonServer:
     model_dir = ROOT / "models" / ("tiny-llama" if args.tiny else "SmolLM2-135M-Instruct")
     repo = make_model_repository(ROOT / "model_repository", work / "repo", {"llm": {
@@ -147,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llm")
     p.add_argument("--stub-pid", type=int, help="the model's python-backend stub, for its RSS (--grpc-url mode)")
     p.add_argument("--metrics-interval-s", type=float, default=1.0)
+    p.add_argument("--mix", type=parse_mix, default=None,
+                   help="actions and weights instead of the host or image mix, e.g. ens_stream=3,ens_cancel=1 "
+                        "(to find which request path grows a process)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in the container (--image), e.g. MALLOC_CONF=...; repeatable")
     args = p.parse_args(argv)
     duration = args.seconds if args.seconds is not None else 60 * (args.minutes or 1)
     args.concurrency = args.concurrency or (6 if args.image else 4)
@@ -154,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.results_dir / f"soak-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     every = args.sample_s or max(2.0, duration / 60)
-    mix = "image" if args.image else "host"
+    mix_name = "image" if args.image else "host"
+    mix = args.mix or dict(MIXES[mix_name])
+    if args.mix:
+        mix_name = ",".join(f"{a}={w:g}" for a, w in args.mix.items())
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
@@ -162,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.image:
             repo = repository_with(ROOT / "model_repository", work / "repo", args.instances,
                                    {"num_kv_blocks": args.num_kv_blocks})
-            server = ImageServer(args.image, repository=repo).start()
+            env = dict(item.split("=", 1) for item in args.env)
+            server = ImageServer(args.image, repository=repo, env=env).start()
             print(f"==> container {server.name} of {args.image} ready ({args.instances} instances per engine)",
                   flush=True)
             stack.callback(lambda: stopped.update(server.stop()))
@@ -216,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"]["leftovers"] = leftovers
     config = {"duration_s": duration, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "model": model_name, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed, "server": where,
-              "instances": args.instances if args.image else 1, "mix": mix, "prometheus": args.prometheus,
+              "instances": args.instances if args.image else 1, "mix": mix_name, "prometheus": args.prometheus,
               "sample_every_s": every, "started": result["started"], "cpu": cpu_model_name()}
     write_outputs(out_dir, config, result["summary"], result["samples"], result["outcomes"])
     s = result["summary"]
@@ -228,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if s["passed"] and not s["leftovers"] and not fired else 1
 
 
-def soak(args, ep: Endpoints, duration: float, every: float, probe: Probe, models: dict[str, int], mix: str,
+def soak(args, ep: Endpoints, duration: float, every: float, probe: Probe, models: dict[str, int], mix: dict,
          prom) -> dict:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    traffic = Traffic(ep, args.concurrency, args.max_tokens, args.seed, mix=dict(MIXES[mix]))
+    traffic = Traffic(ep, args.concurrency, args.max_tokens, args.seed, mix=dict(mix))
     before = probe.finished_total()
     t0 = time.monotonic()
     wall0 = time.time()

@@ -96,6 +96,14 @@ def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clea
             " if 'libjemalloc' in p.read_text() and 'tritonserver' in (p.parent / 'comm').read_text()}))"
         )).stdout.strip()
         assert mapped not in ("", "[]"), "tritonserver does not map libjemalloc"
+        # ... with a background thread that gives freed pages back (the wrapper's MALLOC_CONF): without it a
+        # burst of large prompts stays resident.
+        threads = podman("exec", name, "python", "-c", (
+            "import pathlib; print(sorted({t.parent.name for p in pathlib.Path('/proc').glob('[0-9]*/comm')"
+            " if p.read_text().strip() == 'tritonserver' for t in p.parent.glob('task/*/comm')"
+            " if t.read_text().startswith('jemalloc_bg')}))"
+        )).stdout.strip()
+        assert threads not in ("", "[]"), "tritonserver has no jemalloc background thread"
 
         chat = post_json(f"http://127.0.0.1:{openai}/v1/chat/completions",
                          {"model": "llm", "max_tokens": 8, "temperature": 0,

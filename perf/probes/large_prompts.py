@@ -1,0 +1,96 @@
+"""Probe: what large prompts cost tritonserver's memory, and whether it comes back after them.
+
+One container of the CPU image, one instance per engine. Phases of refused requests to `llm`, tritonserver's
+RSS (and its private part, RssAnon) read from /proc after each: small bad requests (every kind the soak sends but
+the 2 MiB prompt), then 2 MiB prompts one at a time, then six at a time, then 20 seconds idle. The last line says
+whether the memory the burst took was given back. Found by the soak bisection (perf/results/malloc-tritonserver):
+of every request path the image soak drives, only the 2 MiB prompt raised tritonserver's RSS.
+
+    flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.probes.large_prompts --image llm-triton:cpu
+    ... --env MALLOC_CONF=dirty_decay_ms:10000   (any allocator setting, to compare)
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from perf.soak.traffic import BAD
+
+from server_harness.container import ImageServer, repository_with
+from server_harness.stream_client import StreamClient
+
+ROOT = Path(__file__).resolve().parents[2]
+LARGE = "oversize_prompt"
+
+
+def rss_mb(pid: int) -> tuple[int, int]:
+    """(VmRSS, RssAnon) of `pid` in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) // 1024, int(fields["RssAnon"].split()[0]) // 1024
+
+
+def refused_requests(grpc_url: str, kinds: list[str], count: int, clients: int, tag: str) -> int:
+    """`count` bad requests of `kinds` from `clients` streams, each awaited; returns how many were refused."""
+    refused = [0] * clients
+
+    def client(c: int) -> None:
+        stream = StreamClient(grpc_url)
+        try:
+            for i in range(count // clients):
+                prompt, values, params = BAD[kinds[i % len(kinds)]]
+                rid = f"{tag}-{c}-{i}"
+                stream.send("llm", rid, prompt, values, params)
+                if stream.wait_finals(60, ids=[rid]) and stream.records[rid].error:
+                    refused[c] += 1
+        finally:
+            stream.close()
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(refused)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m perf.probes.large_prompts", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--image", default="llm-triton:cpu")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set in the container")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.env)
+    small = [k for k in BAD if k != LARGE]
+    with tempfile.TemporaryDirectory(prefix="large-prompts-") as tmp:
+        repo = repository_with(ROOT / "model_repository", Path(tmp) / "repo", 1, {})
+        server = ImageServer(args.image, repository=repo, env=env).start()
+        try:
+            pid = server.processes()["tritonserver"]
+
+            def report(what: str) -> None:
+                rss, anon = rss_mb(pid)
+                print(f"{what:<36} tritonserver RSS {rss:>4} MB, private {anon:>4} MB", flush=True)
+
+            report("ready")
+            phases = [("small bad requests x3000, 6 clients", small, 3000, 6),
+                      ("2 MiB prompts x100, 1 client", [LARGE], 100, 1),
+                      ("2 MiB prompts x300, 6 clients", [LARGE], 300, 6)]
+            for what, kinds, count, clients in phases:
+                for r in range(args.rounds):
+                    refused = refused_requests(server.grpc_url, kinds, count, clients, f"{r}-{what[:5]}")
+                    if refused != count // clients * clients:
+                        print(f"  only {refused} of {count} refused")
+                    report(f"{what} ({r + 1})")
+            time.sleep(20)
+            report("idle 20 s")
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
