@@ -8,6 +8,7 @@ of every request path the image soak drives, only the 2 MiB prompt raised triton
 
     flock /tmp/cpu-heavy.lock .venv/bin/python -m perf.probes.large_prompts --image llm-triton:cpu
     ... --env MALLOC_CONF=dirty_decay_ms:10000   (any allocator setting, to compare)
+    ... --host --triton-arg=--grpc-infer-allocation-pool-size=0   (tritonserver on the host, tiny-llama)
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 from perf.soak.traffic import BAD
 
 from server_harness.container import ImageServer, repository_with
+from server_harness.repository import make_model_repository
+from server_harness.server import TritonServer
 from server_harness.stream_client import StreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,15 +64,22 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image", default="llm-triton:cpu")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set in the container")
+    p.add_argument("--host", action="store_true", help="tritonserver on the host (tiny-llama) instead of the image")
+    p.add_argument("--triton-arg", action="append", default=[], help="passed to tritonserver (--host); repeatable")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     small = [k for k in BAD if k != LARGE]
     with tempfile.TemporaryDirectory(prefix="large-prompts-") as tmp:
-        repo = repository_with(ROOT / "model_repository", Path(tmp) / "repo", 1, {})
-        server = ImageServer(args.image, repository=repo, env=env).start()
+        if args.host:
+            repo = make_model_repository(ROOT / "model_repository", Path(tmp) / "repo",
+                                         {"llm": {"model": ROOT / "models" / "tiny-llama"}})
+            server = TritonServer(repo, args.triton_arg, env=env).start()
+        else:
+            repo = repository_with(ROOT / "model_repository", Path(tmp) / "repo", 1, {})
+            server = ImageServer(args.image, repository=repo, env=env).start()
         try:
-            pid = server.processes()["tritonserver"]
+            pid = server.pid if args.host else server.processes()["tritonserver"]
 
             def report(what: str) -> None:
                 rss, anon = rss_mb(pid)
