@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 import urllib.request
 import uuid
@@ -17,8 +16,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from perf.probes.large_prompts import LARGE, refused_requests
 from server_harness.server import free_ports
-from server_harness.stream_client import StreamClient
 
 IMAGE = os.environ.get("IMAGE", "llm-triton:cpu")
 READY_TIMEOUT_S = 420  # SmolLM2 in both arms loads in 20-60 s alone; a busy 2-core machine takes longer
@@ -111,7 +110,7 @@ def test_container_serves_streams_runs_unprivileged_turns_healthy_and_stops_clea
         # request states (each kept the capacity of the largest request it held) and the background thread
         # purges freed pages after 1 s. With the pool on, ~18 MB stayed (perf/results/malloc-tritonserver).
         before = tritonserver_private_mb(name)
-        refused = refuse_large_prompts(f"127.0.0.1:{grpc}", count=36, clients=6)
+        refused = refused_requests(f"127.0.0.1:{grpc}", [LARGE], count=36, clients=6, tag="large")
         assert refused == 36, refused
         time.sleep(4)
         after = tritonserver_private_mb(name)
@@ -204,29 +203,6 @@ def tritonserver_private_mb(name: str) -> int:
         "import pathlib; print(next(int(l.split()[1]) // 1024 for p in pathlib.Path('/proc').glob('[0-9]*/comm')"
         " if p.read_text().strip() == 'tritonserver' for l in (p.parent / 'status').read_text().splitlines()"
         " if l.startswith('RssAnon:')))")).stdout)
-
-
-def refuse_large_prompts(url: str, count: int, clients: int) -> int:
-    """`count` prompts of 2 MiB (over any context: refused by name) from `clients` streams; how many were refused."""
-    refused = []
-
-    def client(c: int) -> None:
-        stream = StreamClient(url)
-        try:
-            for i in range(count // clients):
-                rid = f"large-{c}-{i}"
-                stream.send("llm", rid, b"x" * (2 << 20), {"max_tokens": 4})
-                if stream.wait_finals(60, ids=[rid]) and stream.records[rid].error:
-                    refused.append(rid)
-        finally:
-            stream.close()
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return len(refused)
 
 
 def post_json(url: str, body: dict) -> dict:
