@@ -23,12 +23,17 @@ def cpu_model_name() -> str:
 
 def rss_mb(pid: int | None) -> float | None:
     """A process's resident memory (VmRSS) in MB, or None when it is gone (or pid is None)."""
+    return status_mb(pid, "VmRSS")
+
+
+def status_mb(pid: int | None, field: str) -> float | None:
+    """A memory field of /proc/<pid>/status (VmRSS, RssAnon, ...) in MB, or None when the process is gone."""
     if pid is None:
         return None
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None

@@ -18,21 +18,17 @@ import threading
 import time
 from pathlib import Path
 
+from perf.soak.run import key_value
 from perf.soak.traffic import BAD
 
 from server_harness.container import ImageServer, repository_with
+from server_harness.host import status_mb
 from server_harness.repository import make_model_repository
 from server_harness.server import TritonServer
 from server_harness.stream_client import StreamClient
 
 ROOT = Path(__file__).resolve().parents[2]
 LARGE = "oversize_prompt"
-
-
-def rss_mb(pid: int) -> tuple[int, int]:
-    """(VmRSS, RssAnon) of `pid` in MB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) // 1024, int(fields["RssAnon"].split()[0]) // 1024
 
 
 def refused_requests(grpc_url: str, kinds: list[str], count: int, clients: int, tag: str) -> int:
@@ -63,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m perf.probes.large_prompts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image", default="llm-triton:cpu")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="set in the container")
+    p.add_argument("--env", action="append", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="set in the server's environment; repeatable")
     p.add_argument("--host", action="store_true", help="tritonserver on the host (tiny-llama) instead of the image")
     p.add_argument("--triton-arg", action="append", default=[], help="passed to tritonserver (--host); repeatable")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    env = dict(item.split("=", 1) for item in args.env)
+    env = dict(args.env)
     small = [k for k in BAD if k != LARGE]
     with tempfile.TemporaryDirectory(prefix="large-prompts-") as tmp:
         if args.host:
@@ -82,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             pid = server.pid if args.host else server.processes()["tritonserver"]
 
             def report(what: str) -> None:
-                rss, anon = rss_mb(pid)
-                print(f"{what:<36} tritonserver RSS {rss:>4} MB, private {anon:>4} MB", flush=True)
+                rss, anon = status_mb(pid, "VmRSS"), status_mb(pid, "RssAnon")
+                print(f"{what:<36} tritonserver RSS {rss:>4.0f} MB, private {anon:>4.0f} MB", flush=True)
 
             report("ready")
             phases = [("small bad requests x3000, 6 clients", small, 3000, 6),

@@ -132,6 +132,14 @@ def parse_mix(text: str) -> dict[str, float]:
     return mix
 
 
+def key_value(text: str) -> tuple[str, str]:
+    """"KEY=VALUE" -> (KEY, VALUE), for --env."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"env: expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def host_server(args, work: Path) -> TritonServer:
     model_dir = ROOT / "models" / ("tiny-llama" if args.tiny else "SmolLM2-135M-Instruct")
     repo = make_model_repository(ROOT / "model_repository", work / "repo", {"llm": {
@@ -168,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mix", type=parse_mix, default=None,
                    help="actions and weights instead of the host or image mix, e.g. ens_stream=3,ens_cancel=1 "
                         "(to find which request path grows a process)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--env", action="append", type=key_value, default=[], metavar="KEY=VALUE",
                    help="set in the container (--image), e.g. MALLOC_CONF=...; repeatable")
     args = p.parse_args(argv)
     duration = args.seconds if args.seconds is not None else 60 * (args.minutes or 1)
@@ -177,10 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.results_dir / f"soak-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     every = args.sample_s or max(2.0, duration / 60)
-    mix_name = "image" if args.image else "host"
-    mix = args.mix or dict(MIXES[mix_name])
-    if args.mix:
-        mix_name = ",".join(f"{a}={w:g}" for a, w in args.mix.items())
+    standard = "image" if args.image else "host"
+    mix = args.mix or dict(MIXES[standard])
+    mix_name = ",".join(f"{a}={w:g}" for a, w in args.mix.items()) if args.mix else standard
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
@@ -188,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.image:
             repo = repository_with(ROOT / "model_repository", work / "repo", args.instances,
                                    {"num_kv_blocks": args.num_kv_blocks})
-            env = dict(item.split("=", 1) for item in args.env)
-            server = ImageServer(args.image, repository=repo, env=env).start()
+            server = ImageServer(args.image, repository=repo, env=dict(args.env)).start()
             print(f"==> container {server.name} of {args.image} ready ({args.instances} instances per engine)",
                   flush=True)
             stack.callback(lambda: stopped.update(server.stop()))

@@ -1,9 +1,9 @@
-"""perf.soak --mix: one request path at a time, to find which one grows a process."""
+"""perf.soak --mix (one request path at a time, to find which one grows a process) and --env KEY=VALUE."""
 import argparse
 
 import pytest
 
-from perf.soak.run import parse_mix
+from perf.soak.run import key_value, parse_mix
 from perf.soak.traffic import IMAGE_MIX, MIX
 
 
@@ -28,3 +28,11 @@ def test_a_bad_mix_names_the_action_and_the_value(text, names):
         parse_mix(text)
     for name in names:
         assert name in str(err.value)
+
+
+def test_env_items_split_at_the_first_equals_and_a_bad_one_is_named():
+    assert key_value("MALLOC_CONF=background_thread:true,dirty_decay_ms=1") == (
+        "MALLOC_CONF", "background_thread:true,dirty_decay_ms=1")
+    for bad in ("MALLOC_CONF", "=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            key_value(bad)
