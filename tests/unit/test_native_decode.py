@@ -70,7 +70,8 @@ def _decode_step(lens, block_size, num_blocks):
 @needs_native
 # 3: one native call, its linears through BLAS or (3, False: AMD's default) its own product; 0: layer by layer
 @pytest.mark.parametrize("rows,blas", [(3, True), (3, False), (0, True)])
-@pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24)])  # 24: a dot product with a tail
+# 16: scores eight positions at a time; 24: a dot product with a tail; 64: values 64 dimensions at a time too
+@pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24), (False, 64)])
 def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim, rows, blas):
     model = _random_model(qkv_bias, head_dim)
     native = _native(model, monkeypatch, tmp_path, rows, blas)
@@ -255,14 +256,15 @@ def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
 
 
 @needs_native
-def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width(monkeypatch, tmp_path):
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width(monkeypatch, tmp_path, head_dim):
     """Past 256 positions attention splits into 128-position chunks shared by the OpenMP team and merged after:
     the same result as the torch forward, and bit for bit the same at one thread and at two."""
-    model = _random_model(True, 24)
+    model = _random_model(True, head_dim)
     native = _native(model, monkeypatch, tmp_path)
     block_size, num_blocks = 16, 80
     meta, positions = _decode_step([700, 300, 1], block_size, num_blocks)
-    shape = (num_blocks, block_size, 2, 24)
+    shape = (num_blocks, block_size, 2, head_dim)
     torch.manual_seed(3)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(3)]
     ids = torch.tensor([7, 8, 9])

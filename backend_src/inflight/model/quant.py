@@ -1,7 +1,8 @@
 """Weight-only quantized weights on CPU: int8 (per output channel, or per 32 as GGUF's Q8_0) and 4-bit (blocks of 32
 with a scale and a min, GGUF's Q4_0 / Q4_1 layout); activations stay float32.
 
-A QuantizedWeight holds the integers and scales as torch tensors, in the native product's tiles of 16 outputs.
+A QuantizedWeight holds the integers and scales as torch tensors, in the native product's layout: groups of 64
+outputs (four tiles of 16), input by input.
 Linear (model/linear.py) multiplies by it through that product (native/quant_rows.c: weights widened to float32
 in registers; at a few rows bound by streaming 1/4 or ~1/7 of float32's bytes, at many by arithmetic).
 `quantize_int8` / `quantize_int4` make one from a float weight at load (model parameter `quantization`);
@@ -21,7 +22,9 @@ BLOCK = 32  # inputs per scale of a 4-bit weight, and of GGUF's Q8_0
 _KINDS = {INT8: 1, INT4: 2, BF16: 3}  # native.h: Q_INT8, Q_INT4, Q_BF16
 
 
-TILE = 16  # output rows per tile of the native layout (native.h)
+# The native layout (native.h): groups of four tiles of 16 outputs, input by input: [groups, in, 4, 16].
+TILE, PER_GROUP = 16, 4
+GROUP_ROWS = TILE * PER_GROUP
 
 
 @dataclass
@@ -31,7 +34,7 @@ class QuantizedWeight:
     Built from the plain layout: int8 q [out, in], group = in (per output channel) or a multiple of 32 dividing
     in; 4-bit q uint8 [out, in // 2] in GGUF's order (byte j of a 32-input block: input j in the low nibble,
     input j + 16 in the high one), scale and min [out, in // 32] (Q4_0's w = d (q - 8) as min = -8 d). Stored
-    in the native product's tiles of 16 outputs (native.h); `plain()` gives the plain layout back. bf16 (CPU
+    in the native product's groups of four 16-output tiles (native.h); `plain()` gives the plain layout back. bf16 (CPU
     `dtype: bfloat16`): q the weight's bfloat16 bits as int16 [out, in], no scale (group = in)."""
     kind: str
     q: torch.Tensor
@@ -54,9 +57,9 @@ class QuantizedWeight:
             raise ValueError(f"scale shape {tuple(self.scale.shape)} does not fit {out} x {inp} with group "
                              f"{self.group}")
         self.out_features = out
-        values = self.q if self.kind == INT8 else _unpack_nibbles(self.q, inp)
-        tiled = _tiles(values)  # [tiles, in, 16]
-        self.q = (tiled if self.kind == INT8 else tiled[..., :8] | (tiled[..., 8:] << 4)).contiguous()
+        values = self.q if self.kind == INT8 else _gguf_values(self.q, inp)
+        tiled = _tiles(values)  # [groups, in, 4, 16]
+        self.q = (tiled if self.kind == INT8 else _pack_tile_nibbles(tiled)).contiguous()
         per_output = self.kind == INT8 and self.group == inp
         self.scale = (_pad_rows(self.scale.float(), 1.0).reshape(-1) if per_output
                       else _tiles(self.scale.float())).contiguous()
@@ -71,14 +74,14 @@ class QuantizedWeight:
 
     def plain(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(q, scale, min) in the layout the constructor takes."""
-        out = self.out_features
+        out, inp = self.out_features, self.in_features
         if self.kind == BF16:
             return _untile(self.q)[:out], None, None
         if self.kind == INT8:
-            per_output = self.group == self.in_features
+            per_output = self.group == inp
             scale = self.scale[:out, None] if per_output else _untile(self.scale)[:out]
             return _untile(self.q)[:out], scale, None
-        values = _untile(torch.cat((self.q & 15, self.q >> 4), dim=-1))[:out]
+        values = _untile(_unpack_tile_nibbles(self.q))[:out]
         blocks = values.reshape(out, -1, BLOCK)
         packed = (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(out, -1)
         return packed, _untile(self.scale)[:out], _untile(self.min)[:out]
@@ -86,41 +89,54 @@ class QuantizedWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight [out, in], or only the given rows (an embedding lookup): q * scale (+ min)."""
         rows = torch.arange(self.out_features) if rows is None else rows
-        tile, lane = rows // TILE, rows % TILE
+        inp = self.in_features
+        group, tile, lane = rows // GROUP_ROWS, rows // TILE % PER_GROUP, rows % TILE
         if self.kind == BF16:
-            return self.q[tile, :, lane].view(torch.bfloat16).float()
+            return self.q[group, :, tile, lane].view(torch.bfloat16).float()
         if self.kind == INT8:
-            q = self.q[tile, :, lane].float()  # [n, in]
-            if self.group == self.in_features:
+            q = self.q[group, :, tile, lane].float()  # [n, in]
+            if self.group == inp:
                 return q * self.scale[rows, None]
-            scale = self.scale[tile, :, lane]  # [n, groups]
+            scale = self.scale[group, :, tile, lane]  # [n, groups]
             return q * scale.repeat_interleave(self.group, dim=-1)
-        byte = self.q[tile, :, lane % 8]
-        q = torch.where((lane < 8)[:, None], byte & 15, byte >> 4).float()
-        d, m = self.scale[tile, :, lane], self.min[tile, :, lane]  # [n, blocks]
+        byte = self.q[group, :, tile, lane % (TILE // 2)]
+        q = torch.where((lane < TILE // 2)[:, None], byte & 15, byte >> 4).float()
+        d, m = self.scale[group, :, tile, lane], self.min[group, :, tile, lane]  # [n, blocks]
         return q * d.repeat_interleave(BLOCK, dim=-1) + m.repeat_interleave(BLOCK, dim=-1)
 
 
-def _unpack_nibbles(packed: torch.Tensor, inp: int) -> torch.Tensor:
+def _gguf_values(packed: torch.Tensor, inp: int) -> torch.Tensor:
     """GGUF-order 4-bit rows [out, in // 2] -> values [out, in] (uint8, 0-15)."""
     blocks = packed.reshape(packed.shape[0], -1, BLOCK // 2)
     return torch.cat((blocks & 15, blocks >> 4), dim=-1).reshape(packed.shape[0], inp)
 
 
 def _pad_rows(t: torch.Tensor, value=0) -> torch.Tensor:
-    extra = -t.shape[0] % TILE
+    extra = -t.shape[0] % GROUP_ROWS
     return torch.cat((t, t.new_full((extra, *t.shape[1:]), value))) if extra else t
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
-    """[out, k] -> [tiles, k, 16]: each tile's 16 rows, column by column (padding rows of 1: a harmless scale)."""
+    """[out, n] -> [groups, n, 4, 16]: each group's four tiles of 16 rows, column by column (padding rows of 1: a
+    harmless scale). One row's product then reads a group as one sequential stream."""
     padded = _pad_rows(t, 1 if t.is_floating_point() else 0)
-    return padded.reshape(-1, TILE, t.shape[1]).transpose(1, 2)
+    return padded.reshape(-1, PER_GROUP, TILE, t.shape[1]).permute(0, 3, 1, 2)
 
 
 def _untile(t: torch.Tensor) -> torch.Tensor:
-    """[tiles, k, 16] -> [tiles * 16, k]."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1])
+    """_tiles undone: [groups, n, 4, 16] -> [groups * 64, n]."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def _pack_tile_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., 16] per tile and input -> [..., 8] bytes, byte j holding output j in its low nibble and
+    output j + 8 in its high one (native.h)."""
+    return values[..., :TILE // 2] | (values[..., TILE // 2:] << 4)
+
+
+def _unpack_tile_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """_pack_tile_nibbles undone."""
+    return torch.cat((packed & 15, packed >> 4), dim=-1)
 
 
 class _QWeight(ctypes.Structure):

@@ -21,14 +21,16 @@ typedef struct {
     int32_t quantized;           /* decode_step() only: the linears' pointers in weights are QWeight* */
 } Model;
 
-/* A weight-only quantized [out][in] matrix in tiles of 16 output rows (the last one padded), input-major inside a
- * tile, so that one widening load gives the 16 weights one input meets (quant_rows.c):
- * Q_INT8: q int8 [tiles][in][16]; scale [tiles * 16] (group = in: one per output, as quantized at load) or
- *   [tiles][in / group][16] (group 32: GGUF's Q8_0).
- * Q_INT4: q [tiles][in][8] bytes, byte j holding output j in its low nibble and output j + 8 in its high one;
- *   scale (d) and min (m) [tiles][in / 32][16]: w = d q + m per block of 32 inputs (Q4_0's w = d (q - 8) has
- *   m = -8 d).
- * Q_BF16: q bfloat16 bits [tiles][in][16], no scale: CPU `dtype: bfloat16` weights, widened exactly. */
+/* A weight-only quantized [out][in] matrix in tiles of 16 output rows, four tiles to a group of 64 (the last group
+ * padded), input-major inside a group: for each input, the group's four tiles side by side. One widening load
+ * gives the 16 weights one input meets in a tile, and one row's product reads a group as one sequential stream
+ * (quant_rows.c):
+ * Q_INT8: q int8 [groups][in][4][16]; scale [groups * 64] (group = in: one per output, as quantized at load) or
+ *   [groups][in / group][4][16] (group 32: GGUF's Q8_0).
+ * Q_INT4: q [groups][in][4][8] bytes, byte j of a tile holding its output j in the low nibble and output j + 8 in
+ *   the high one; scale (d) and min (m) [groups][in / 32][4][16]: w = d q + m per block of 32 inputs (Q4_0's
+ *   w = d (q - 8) has m = -8 d).
+ * Q_BF16: q bfloat16 bits [groups][in][4][16], no scale: CPU `dtype: bfloat16` weights, widened exactly. */
 enum { Q_INT8 = 1, Q_INT4 = 2, Q_BF16 = 3 };
 
 typedef struct {
