@@ -357,9 +357,25 @@ int attention_rows(const Model *m, int n, float *qkv, const float *cos, const fl
         return -1;
     }
     const Attention a = {m, qkv, k_cache, v_cache, tables, lens, n, qkv_size, first_item, partial};
-    /* A short context on one row stays on this thread: waking the team costs more than the work. */
+    /* The team shares (row, chunk) pieces, each taking the chunk's items of every kv head in turn: a position's K
+     * and V rows for all the heads sit side by side, so one thread reads them while they are near (16 rows at ~300
+     * tokens of context: int8 SmolLM2's step 52.5 -> 46 ms, AMD EPYC Zen 4). With few pieces (one row) the items
+     * are shared one by one, which balances the team better. Each item is computed as alone either way, so the
+     * results do not change. A short context on one row stays on this thread: waking the team costs more than
+     * the work. */
+    const int64_t pieces = items / m->kv_heads;
+    const int64_t units = pieces >= 4 * m->threads ? pieces : items;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(m->threads) if (positions > 2 * CHUNK)
-    for (int64_t item = 0; item < items; item++) attend_item(&a, item);
+    for (int64_t unit = 0; unit < units; unit++) {
+        if (units == items) {
+            attend_item(&a, unit);
+            continue;
+        }
+        int r = 0;
+        while (unit >= first_item[r + 1] / m->kv_heads) r++;
+        const int64_t chunks = chunks_of(lens[r]), c = unit - first_item[r] / m->kv_heads;
+        for (int g = 0; g < m->kv_heads; g++) attend_item(&a, first_item[r] + g * chunks + c);
+    }
     for (int r = 0; r < n; r++) merge_row(&a, r, out + (int64_t)r * q_size);
     free(partial);
     free(first_item);
