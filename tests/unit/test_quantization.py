@@ -55,12 +55,14 @@ def test_native_product_equals_the_dequantized_weights_product(product, kind, ro
 
 
 @pytest.mark.parametrize("make", [quantize_int8, lambda w: quantize_int8(w, 32), quantize_int4, to_bf16])
-def test_a_rows_result_does_not_depend_on_its_batch(product, make):
-    """Every row sums in the same lanes and order whatever shares the call: bit for bit alone and among 7."""
+@pytest.mark.parametrize("batch", [2, 3, 5, 7])
+def test_a_rows_result_does_not_depend_on_its_batch(product, make, batch):
+    """Every row sums in the same lanes and order whatever shares the call: bit for bit alone and among others,
+    whether the batch takes a group of four tiles at a time (up to six rows) or one tile (more)."""
     q = make(_weight(64, 256))
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(3))
     together = product(x, q, None)
-    for r in range(7):
+    for r in range(batch):
         torch.testing.assert_close(product(x[r:r + 1], q, None)[0], together[r], atol=0, rtol=0)
 
 
