@@ -37,11 +37,19 @@ def _random_model(qkv_bias: bool, head_dim: int) -> LlamaForCausalLM:
     return model
 
 
-def _native(model, monkeypatch, tmp_path, rows=3, blas=True):
+@pytest.fixture(scope="module")
+def native_cache(tmp_path_factory):
+    """One build directory for the tests that only need the library: a build takes seconds (quant_rows.c's kernels
+    for three instruction sets), so each test building its own would repeat it. The build itself is tested with a
+    directory of its own (test_the_build_is_cached_per_source_and_flags)."""
+    return tmp_path_factory.mktemp("native-cache")
+
+
+def _native(model, monkeypatch, cache, rows=3, blas=True):
     """The native forward with whole steps up to `rows` rows (0: every decode step layer by layer), their linears
     through torch's sgemm (blas) or decode_step.c's own few-row product."""
     switches = resolve_cpu_defaults(EngineConfig(cpu_gemv_rows=rows), vendor="GenuineIntel" if blas else "AuthenticAMD")
-    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(cache))
     linear_mod.select_cpu_gemm(model, torch.device("cpu"), torch.float32, switches)
     forward = native_decode.native_forward(model, torch.device("cpu"), torch.float32, switches)
     assert isinstance(forward, native_decode.NativeDecodeForward) and forward.max_rows == rows
@@ -72,9 +80,9 @@ def _decode_step(lens, block_size, num_blocks):
 @pytest.mark.parametrize("rows,blas", [(3, True), (3, False), (0, True)])
 # 16: scores eight positions at a time; 24: a dot product with a tail; 64: values 64 dimensions at a time too
 @pytest.mark.parametrize("qkv_bias,head_dim", [(False, 16), (True, 24), (False, 64)])
-def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, head_dim, rows, blas):
+def test_native_step_matches_the_torch_forward(monkeypatch, native_cache, qkv_bias, head_dim, rows, blas):
     model = _random_model(qkv_bias, head_dim)
-    native = _native(model, monkeypatch, tmp_path, rows, blas)
+    native = _native(model, monkeypatch, native_cache, rows, blas)
     block_size, num_blocks = 4, 16
     meta, positions = _decode_step([1, 11, 7], block_size, num_blocks)
     shape = (num_blocks, block_size, 2, head_dim)
@@ -104,8 +112,8 @@ def test_native_step_matches_the_torch_forward(monkeypatch, tmp_path, qkv_bias, 
 
 
 @needs_native
-def test_which_steps_run_how(monkeypatch, tmp_path):
-    native = _native(_random_model(False, 16), monkeypatch, tmp_path)
+def test_which_steps_run_how(monkeypatch, native_cache):
+    native = _native(_random_model(False, 16), monkeypatch, native_cache)
     assert native.covers(_decode_step([3, 5], 4, 16)[0]) == "step"
     assert native.covers(_decode_step([3, 5, 6, 2], 4, 16)[0]) == "layers"  # 4 rows: past INFLIGHT_CPU_GEMV_ROWS
     prefill = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.zeros(1, 1, dtype=torch.int32),
@@ -117,12 +125,12 @@ def test_which_steps_run_how(monkeypatch, tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("rows,blas", [(3, False), (3, True), (0, False)])
-def test_the_lm_head_takes_the_native_product_where_linear_takes_no_blas(monkeypatch, tmp_path, rows, blas):
+def test_the_lm_head_takes_the_native_product_where_linear_takes_no_blas(monkeypatch, native_cache, rows, blas):
     """Where the step runs its own product (AMD), the logits of up to max_rows rows do too; more rows, and CPUs
     whose Linear takes BLAS there, keep oneDNN or BLAS."""
     model = _random_model(False, 16)
     weight = model.lm_head.weight.detach().clone()  # untied: at rows 0 the dense copy is released
-    native = _native(model, monkeypatch, tmp_path, rows, blas)
+    native = _native(model, monkeypatch, native_cache, rows, blas)
     head = model.lm_head
     assert (head.few_row_product is not None) == (rows > 0 and not blas)
     calls = []
@@ -140,11 +148,11 @@ def test_the_lm_head_takes_the_native_product_where_linear_takes_no_blas(monkeyp
 
 @needs_native
 @pytest.mark.parametrize("width", [96, 40])  # 40: each dot product ends in a tail of 8
-def test_the_native_product_gives_each_row_the_bits_it_gets_alone(monkeypatch, tmp_path, width):
+def test_the_native_product_gives_each_row_the_bits_it_gets_alone(monkeypatch, native_cache, width):
     """decode_step.c's product runs up to four rows per pass over a weight row (blocks of 4, then 3, 2 or 1): each
     row's sums still run in one order, so a row's result does not depend on what else shares the step, and
     equals torch's within float32 rounding."""
-    native = _native(_random_model(False, 16), monkeypatch, tmp_path, rows=4, blas=False)
+    native = _native(_random_model(False, 16), monkeypatch, native_cache, rows=4, blas=False)
     torch.manual_seed(5)
     weight, bias = torch.randn(70, width), torch.randn(70)
     rows = torch.randn(7, width)
@@ -173,9 +181,9 @@ def _generate(llm, prompts, max_tokens):
 
 @needs_native
 @pytest.mark.parametrize("rows", ["3", "1"])  # 1: the two-row decode steps run layer by layer
-def test_engine_tokens_and_logits_unchanged(monkeypatch, tmp_path, rows):
+def test_engine_tokens_and_logits_unchanged(monkeypatch, native_cache, rows):
     """Two prompts through prefill and decode, then the longer one alone."""
-    monkeypatch.setenv(NATIVE_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(NATIVE_CACHE_ENV, str(native_cache))
     prompts = [list(range(100, 109)), list(range(300, 340))]
     # One token per request and step (no drafts), so the row counts are the ones the parameter names.
     plain = LLM(TINY, num_kv_blocks=64, max_num_batched_tokens=32, cpu_gemv_rows=rows, cpu_native_decode=False,
@@ -211,9 +219,9 @@ def test_not_for_bfloat16():
 
 
 @needs_native
-def test_without_dense_weights_every_decode_step_runs_layer_by_layer(monkeypatch, tmp_path):
+def test_without_dense_weights_every_decode_step_runs_layer_by_layer(monkeypatch, native_cache):
     model = _random_model(False, 16)
-    native = _native(model, monkeypatch, tmp_path, rows=0)
+    native = _native(model, monkeypatch, native_cache, rows=0)
     assert model.layers[0].mlp.down_proj.weight.numel() == 0  # released: oneDNN's packed copy only
     assert native.covers(_decode_step([3], 4, 16)[0]) == "layers"
 
@@ -257,11 +265,11 @@ def test_the_build_is_cached_per_source_and_flags(monkeypatch, tmp_path):
 
 @needs_native
 @pytest.mark.parametrize("head_dim", [24, 64])
-def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width(monkeypatch, tmp_path, head_dim):
+def test_long_contexts_split_across_threads_match_and_do_not_depend_on_the_width(monkeypatch, native_cache, head_dim):
     """Past 256 positions attention splits into 128-position chunks shared by the OpenMP team and merged after:
     the same result as the torch forward, and bit for bit the same at one thread and at two."""
     model = _random_model(True, head_dim)
-    native = _native(model, monkeypatch, tmp_path)
+    native = _native(model, monkeypatch, native_cache)
     block_size, num_blocks = 16, 80
     meta, positions = _decode_step([700, 300, 1], block_size, num_blocks)
     shape = (num_blocks, block_size, 2, head_dim)

@@ -359,7 +359,7 @@ int attention_rows(const Model *m, int n, float *qkv, const float *cos, const fl
     const Attention a = {m, qkv, k_cache, v_cache, tables, lens, n, qkv_size, first_item, partial};
     /* The team shares (row, chunk) pieces, each taking the chunk's items of every kv head in turn: a position's K
      * and V rows for all the heads sit side by side, so one thread reads them while they are near (16 rows at ~300
-     * tokens of context: int8 SmolLM2's step 52.5 -> 46 ms, AMD EPYC Zen 4). With few pieces (one row) the items
+     * tokens of context: int8 SmolLM2's step 52.5 -> 44.5 ms, AMD EPYC Zen 4). With few pieces (one row) the items
      * are shared one by one, which balances the team better. Each item is computed as alone either way, so the
      * results do not change. A short context on one row stays on this thread: waking the team costs more than
      * the work. */

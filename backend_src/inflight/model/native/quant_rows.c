@@ -171,49 +171,22 @@ INLINE void tiles_grouped(const int KIND, const int R, const int T, const float 
         for (int r = 0; r < R; r++) store16(y + (int64_t)r * out, (t0 + t) * TILE, out, acc[r][t][0], acc[r][t][1]);
 }
 
-/* `rows` input rows of the group at tile t through KERNEL, up to MAX (at most three) at a time: each R a constant of
- * its own call. */
-#define ROWS_AT_A_TIME(MAX, KERNEL, KIND, rows, x, in, w, t, y, out)           \
-    for (int r = 0; r < (rows);) {                                             \
-        const int R = (rows) - r >= (MAX) ? (MAX) : (rows) - r;                \
-        const float *xr = (x) + (int64_t)r * (in);                             \
-        float *yr = (y) + (int64_t)r * (out);                                  \
-        switch (R) {                                                           \
-            case 3: KERNEL(KIND, 3, PER_GROUP, xr, in, w, t, yr, out); break;  \
-            case 2: KERNEL(KIND, 2, PER_GROUP, xr, in, w, t, yr, out); break;  \
-            default: KERNEL(KIND, 1, PER_GROUP, xr, in, w, t, yr, out); break; \
-        }                                                                      \
-        r += R;                                                                \
-    }
-
-/* `rows` input rows of tile t through KERNEL, up to six (or four) at a time: each R a constant of its own call. */
-#define SIX_AT_A_TIME(KERNEL, KIND, rows, x, in, w, t, y, out)         \
-    for (int r = 0; r < (rows);) {                                     \
-        const int R = (rows) - r >= 6 ? 6 : (rows) - r;                \
-        const float *xr = (x) + (int64_t)r * (in);                     \
-        float *yr = (y) + (int64_t)r * (out);                          \
-        switch (R) {                                                   \
-            case 6: KERNEL(KIND, 6, 1, xr, in, w, t, yr, out); break;  \
-            case 5: KERNEL(KIND, 5, 1, xr, in, w, t, yr, out); break;  \
-            case 4: KERNEL(KIND, 4, 1, xr, in, w, t, yr, out); break;  \
-            case 3: KERNEL(KIND, 3, 1, xr, in, w, t, yr, out); break;  \
-            case 2: KERNEL(KIND, 2, 1, xr, in, w, t, yr, out); break;  \
-            default: KERNEL(KIND, 1, 1, xr, in, w, t, yr, out); break; \
-        }                                                              \
-        r += R;                                                        \
-    }
-#define FOUR_AT_A_TIME(KERNEL, KIND, rows, x, in, w, t, y, out)        \
-    for (int r = 0; r < (rows);) {                                     \
-        const int R = (rows) - r >= 4 ? 4 : (rows) - r;                \
-        const float *xr = (x) + (int64_t)r * (in);                     \
-        float *yr = (y) + (int64_t)r * (out);                          \
-        switch (R) {                                                   \
-            case 4: KERNEL(KIND, 4, 1, xr, in, w, t, yr, out); break;  \
-            case 3: KERNEL(KIND, 3, 1, xr, in, w, t, yr, out); break;  \
-            case 2: KERNEL(KIND, 2, 1, xr, in, w, t, yr, out); break;  \
-            default: KERNEL(KIND, 1, 1, xr, in, w, t, yr, out); break; \
-        }                                                              \
-        r += R;                                                        \
+/* `rows` input rows through KERNEL, T tiles from tile t, up to MAX (at most six) rows at a time: each R a constant
+ * of its own call. A case above MAX is never taken; it names R = 1 so that no kernel wider than MAX is built. */
+#define ROWS_AT_A_TIME(MAX, T, KERNEL, KIND, rows, x, in, w, t, y, out)               \
+    for (int r = 0; r < (rows);) {                                                    \
+        const int R = (rows) - r >= (MAX) ? (MAX) : (rows) - r;                       \
+        const float *xr = (x) + (int64_t)r * (in);                                    \
+        float *yr = (y) + (int64_t)r * (out);                                         \
+        switch (R) {                                                                  \
+            case 6: KERNEL(KIND, (MAX) >= 6 ? 6 : 1, T, xr, in, w, t, yr, out); break; \
+            case 5: KERNEL(KIND, (MAX) >= 5 ? 5 : 1, T, xr, in, w, t, yr, out); break; \
+            case 4: KERNEL(KIND, (MAX) >= 4 ? 4 : 1, T, xr, in, w, t, yr, out); break; \
+            case 3: KERNEL(KIND, (MAX) >= 3 ? 3 : 1, T, xr, in, w, t, yr, out); break; \
+            case 2: KERNEL(KIND, 2, T, xr, in, w, t, yr, out); break;                 \
+            default: KERNEL(KIND, 1, T, xr, in, w, t, yr, out); break;                \
+        }                                                                             \
+        r += R;                                                                       \
     }
 
 /* Tiles t0 .. t1 - 1 (whole groups) for n rows. Up to six rows (four for the per-32 kinds): a group's four tiles at
@@ -224,17 +197,17 @@ QUANT_ISA static void q_tiles(int n, const float *x, int in, const QWeight *w, i
     const int last = (out + TILE - 1) / TILE;
     for (int t = t0; t < t1; t += PER_GROUP) {
         if (n <= (per_output ? 6 : 4)) {
-            if (w->kind == Q_BF16) ROWS_AT_A_TIME(3, tiles_per_output, Q_BF16, n, x, in, w, t, y, out)
-            else if (per_output) ROWS_AT_A_TIME(3, tiles_per_output, Q_INT8, n, x, in, w, t, y, out)
-            else if (w->kind == Q_INT4) ROWS_AT_A_TIME(2, tiles_grouped, Q_INT4, n, x, in, w, t, y, out)
-            else ROWS_AT_A_TIME(2, tiles_grouped, Q_INT8, n, x, in, w, t, y, out)
+            if (w->kind == Q_BF16) ROWS_AT_A_TIME(3, PER_GROUP, tiles_per_output, Q_BF16, n, x, in, w, t, y, out)
+            else if (per_output) ROWS_AT_A_TIME(3, PER_GROUP, tiles_per_output, Q_INT8, n, x, in, w, t, y, out)
+            else if (w->kind == Q_INT4) ROWS_AT_A_TIME(2, PER_GROUP, tiles_grouped, Q_INT4, n, x, in, w, t, y, out)
+            else ROWS_AT_A_TIME(2, PER_GROUP, tiles_grouped, Q_INT8, n, x, in, w, t, y, out)
             continue;
         }
         for (int u = t; u < t + PER_GROUP && u < last; u++) {
-            if (w->kind == Q_BF16) SIX_AT_A_TIME(tiles_per_output, Q_BF16, n, x, in, w, u, y, out)
-            else if (per_output) SIX_AT_A_TIME(tiles_per_output, Q_INT8, n, x, in, w, u, y, out)
-            else if (w->kind == Q_INT4) FOUR_AT_A_TIME(tiles_grouped, Q_INT4, n, x, in, w, u, y, out)
-            else FOUR_AT_A_TIME(tiles_grouped, Q_INT8, n, x, in, w, u, y, out)
+            if (w->kind == Q_BF16) ROWS_AT_A_TIME(6, 1, tiles_per_output, Q_BF16, n, x, in, w, u, y, out)
+            else if (per_output) ROWS_AT_A_TIME(6, 1, tiles_per_output, Q_INT8, n, x, in, w, u, y, out)
+            else if (w->kind == Q_INT4) ROWS_AT_A_TIME(4, 1, tiles_grouped, Q_INT4, n, x, in, w, u, y, out)
+            else ROWS_AT_A_TIME(4, 1, tiles_grouped, Q_INT8, n, x, in, w, u, y, out)
         }
     }
 }
