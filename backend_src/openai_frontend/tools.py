@@ -6,6 +6,9 @@ schemas (the engine's structured output), so the output parses whatever the mode
 its arguments object; "required" outputs a JSON list of {"name", "arguments"} (at most one with
 parallel_tool_calls false). "auto" leaves the model free and reads Hermes-style blocks from its text:
 <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the format Qwen2.5, Hermes and our fallback prompt use).
+A block is a call when its JSON is a call (a block the output ended inside too, if its JSON is whole); every other
+character is content, except whitespace before a call and, when there were calls, at either end of the content.
+Whole and streamed replies are read by the same reader, so they agree however the text was cut into deltas.
 """
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ from typing import Any
 from .errors import bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
 @dataclass
@@ -84,6 +86,11 @@ def _parse_block(text: str) -> dict[str, Any] | None:
     return call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+def _open_prefix_length(text: str) -> int:
+    """How long a tail of `text` could still grow into "<tool_call>" (0: none)."""
+    return next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
+
+
 def parse_output(choice: ToolChoice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of one whole choice's text."""
     if not choice.active:
@@ -96,15 +103,11 @@ def parse_output(choice: ToolChoice, text: str) -> tuple[str | None, list[dict[s
         except json.JSONDecodeError:
             return text, []  # cut short (length): the client gets what there is
         return None, [call(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items]
-    calls = []
-    for m in _BLOCK.finditer(text):
-        parsed = _parse_block(m.group(1))
-        if parsed is not None:
-            calls.append(parsed)
-    if not calls:
-        return text, []
-    content = text[:text.index(OPEN)].strip()
-    return content or None, calls
+    reader = ToolStream(choice)
+    deltas = reader.feed(text) + reader.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [{k: v for k, v in tc.items() if k != "index"} for d in deltas for tc in d.get("tool_calls", [])]
+    return (content or None) if calls else content, calls
 
 
 def finish_reason(reason: str, calls: list) -> str:
@@ -121,6 +124,7 @@ class ToolStream:
         self.text = ""  # the whole text so far (required: parsed at the end)
         self.num_calls = 0
         self._named_started = False
+        self._content_sent = False
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -140,30 +144,44 @@ class ToolStream:
         return self._auto(text)
 
     def _auto(self, text: str) -> list[dict[str, Any]]:
+        """Content up to what may still become a call; each whole block, as a call or (unparseable) as content."""
         self.buffer += text
-        out = []
-        while self.buffer:
+        out: list[dict[str, Any]] = []
+        while True:
             start = self.buffer.find(OPEN)
             if start < 0:
-                # Keep a tail that could still grow into "<tool_call>"; the rest is content.
-                keep = next((k for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
-                             if OPEN.startswith(self.buffer[-k:])), 0)
-                head, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
-                if head and not self.num_calls:
-                    out.append({"content": head})
-                break
-            if start and not self.num_calls:
-                out.append({"content": self.buffer[:start]})
-            end = self.buffer.find(CLOSE, start)
-            if end < 0:
-                self.buffer = self.buffer[start:]
-                break
+                self._content(out, self._take_text(len(self.buffer) - _open_prefix_length(self.buffer)))
+                return out
+            end = self.buffer.find(CLOSE, start + len(OPEN))
+            if end < 0:  # the block goes on in later deltas
+                self._content(out, self._take_text(start))
+                return out
+            stop = end + len(CLOSE)
             parsed = _parse_block(self.buffer[start + len(OPEN):end].strip())
-            self.buffer = self.buffer[end + len(CLOSE):]
-            if parsed is not None:
-                out.append({"tool_calls": [{"index": self.num_calls, **parsed}]})
-                self.num_calls += 1
-        return out
+            if parsed is None:
+                self._content(out, self.buffer[:stop])
+            else:
+                self._content(out, self.buffer[:start].rstrip())
+                self._call(out, parsed)
+            self.buffer = self.buffer[stop:]
+
+    def _take_text(self, upto: int) -> str:
+        """The buffer's text before `upto`, taken out of it, less its trailing whitespace: that stays held, as a
+        call may follow it (and takes it away)."""
+        text = self.buffer[:upto].rstrip()
+        self.buffer = self.buffer[len(text):]
+        return text
+
+    def _content(self, out: list[dict[str, Any]], text: str) -> None:
+        if self.num_calls and not self._content_sent:
+            text = text.lstrip()  # content that starts after a call starts at its first word
+        if text:
+            out.append({"content": text})
+            self._content_sent = True
+
+    def _call(self, out: list[dict[str, Any]], parsed: dict[str, Any]) -> None:
+        out.append({"tool_calls": [{"index": self.num_calls, **parsed}]})
+        self.num_calls += 1
 
     def finish(self) -> list[dict[str, Any]]:
         """Deltas for what was held back, at the choice's end."""
@@ -174,14 +192,17 @@ class ToolStream:
             self.num_calls = len(calls)
             return [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}]
         rest, self.buffer = self.buffer, ""
-        if rest and self.choice.mode == "auto" and self.choice.active:
-            if rest.startswith(OPEN):  # an unclosed call: one if its JSON is whole, else text
-                parsed = _parse_block(rest[len(OPEN):].strip())
-                if parsed is not None:
-                    self.num_calls += 1
-                    return [{"tool_calls": [{"index": self.num_calls - 1, **parsed}]}]
-            return [] if self.num_calls else [{"content": rest}]
-        return []
+        if self.choice.mode != "auto" or not self.choice.active:
+            return []
+        out: list[dict[str, Any]] = []
+        block = rest.lstrip()
+        if block.startswith(OPEN):  # the output ended inside a block: a call if its JSON is whole, else text
+            parsed = _parse_block(block[len(OPEN):].strip())
+            if parsed is not None:
+                self._call(out, parsed)
+                rest = ""
+        self._content(out, rest.rstrip() if self.num_calls else rest)
+        return out
 
 
 def parse_tools(body: dict) -> ToolChoice:

@@ -3,6 +3,7 @@ the prompt a tool-less chat template gets, and tool calls read back from whole a
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -75,7 +76,7 @@ def test_auto_streaming_holds_back_a_split_tag_and_emits_whole_calls(cut):
     deltas += stream.finish()
     content = "".join(d.get("content", "") for d in deltas)
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert content == "Sure " and len(calls) == 1 and calls[0]["index"] == 0
+    assert content == "Sure" and len(calls) == 1 and calls[0]["index"] == 0
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
     plain = ToolStream(req.tools)
     assert "".join(d["content"] for d in plain.feed("a < b") + plain.feed(" <to") + plain.finish()) == "a < b <to"
@@ -125,3 +126,65 @@ def test_response_format_maps_onto_structured_outputs_on_both_endpoints():
         .sampling["structured_outputs"] == {"json_object": True}
     assert chat(guided_choice=["a", "b"]).sampling["structured_outputs"] == {"choice": ["a", "b"]}
     assert "structured_outputs" not in chat(response_format={"type": "text"}).sampling
+
+
+CALL_ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+CALL_CET = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+# Model outputs that the whole-text reader and the streamed one must read alike, however the text is cut.
+AUTO_OUTPUTS = {
+    "unparseable_block": "Just text, <tool_call>not json</tool_call> and more",
+    "two_calls": "Let me check.\n" + CALL_ROME + "\n" + CALL_CET,
+    "bad_block_then_call": "A <tool_call>bad</tool_call> B " + CALL_CET + " C",
+    "text_between_calls": CALL_ROME + "\nThen: " + CALL_CET + "\n\n",
+    "cut_inside_a_block": 'Calling <tool_call>{"name": "get_weather", "arguments": {"ci',
+    "ended_before_the_close_tag": 'Calling <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
+    "call_then_cut_block": CALL_CET + ' and <tool_call>{"name": "get_time"',
+    "open_tag_twice": "<tool_call><tool_call>" + CALL_CET[len("<tool_call>"):] + " tail",
+    "tag_prefixes": "a < b <to",
+    "stray_close_and_open": "stray </tool_call> close and <tool_call",
+    "whitespace": "  \n",
+    "empty": "",
+}
+
+
+def _read_streamed(tools, pieces: list[str]) -> tuple[str, list]:
+    stream = ToolStream(tools)
+    deltas = [d for piece in pieces for d in stream.feed(piece)] + stream.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [(tc["index"], tc["function"]) for d in deltas for tc in d.get("tool_calls", [])]
+    return content, calls
+
+
+def _cuts(text: str, rng) -> list[list[str]]:
+    """Every cut into two pieces, one character at a time, and random cuts into many pieces."""
+    ways = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for _ in range(30):
+        bounds = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if text else []
+        ways.append([text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])])
+    return ways
+
+
+@pytest.mark.parametrize("name", AUTO_OUTPUTS)
+def test_auto_streamed_content_and_calls_equal_the_whole_reply_however_the_text_is_cut(name):
+    text = AUTO_OUTPUTS[name]
+    req = chat(tools=[WEATHER, TIME])
+    content, calls = parse_output(req.tools, text)
+    expected = (content or "", [(i, c["function"]) for i, c in enumerate(calls)])
+    for pieces in _cuts(text, random.Random(46)):
+        assert _read_streamed(req.tools, pieces) == expected, pieces
+
+
+def test_auto_keeps_every_character_that_is_not_a_call():
+    req = chat(tools=[WEATHER, TIME])
+    text = "Just text, <tool_call>not json</tool_call> and more"
+    assert parse_output(req.tools, text) == (text, [])
+    assert _read_streamed(req.tools, [text[:15], text[15:]]) == (text, [])
+    # An unparseable block before a call, and text after it, stay; the whitespace before each call goes.
+    content, calls = parse_output(req.tools, "A <tool_call>bad</tool_call> B " + CALL_CET + " C")
+    assert content == "A <tool_call>bad</tool_call> B C" and [c["function"]["name"] for c in calls] == ["get_time"]
+    assert parse_output(req.tools, AUTO_OUTPUTS["text_between_calls"])[0] == "Then:"
+    # A block the output ended inside is a call when its JSON is whole, else text.
+    cut = 'Calling <tool_call>{"name": "get_weather", "arguments": {"ci'
+    assert parse_output(req.tools, cut) == (cut, [])
+    content, calls = parse_output(req.tools, 'Calling <tool_call>{"name": "get_weather", "arguments": {}}')
+    assert content == "Calling" and calls[0]["function"] == {"name": "get_weather", "arguments": "{}"}
