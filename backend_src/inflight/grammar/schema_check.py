@@ -16,10 +16,11 @@ ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
     "writeOnly", "strict", "name", "contentMediaType", "contentEncoding", "$anchor",
 })
-# Where a keyword's value holds schemas (the rest hold data: enum, const, default, ...).
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMAS = ("items", "additionalProperties")
+# Where an enforced keyword's value holds schemas (the rest hold data: enum, const, default, ...); whoever walks a
+# schema (this check, grammar/spec.py's disable_additional_properties) follows these keys and no others.
+SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # a list of schemas
+SCHEMA_VALUES = ("items", "additionalProperties")  # one schema
 
 
 def unsupported_keyword(schema: Any, where: str = "") -> tuple[str, str, str] | None:
@@ -36,13 +37,13 @@ def unsupported_keyword(schema: Any, where: str = "") -> tuple[str, str, str] | 
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             return (key, where, "allOf with more than one schema cannot be enforced; merge them into one")
         found = None
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
+        if key in SCHEMA_MAPS and isinstance(value, dict):
             for sub_name, sub in value.items():
                 found = found or unsupported_keyword(sub, f"{where}/{key}/{sub_name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
+        elif key in SCHEMA_LISTS and isinstance(value, list):
             for i, sub in enumerate(value):
                 found = found or unsupported_keyword(sub, f"{where}/{key}/{i}")
-        elif key in _SCHEMAS and not isinstance(value, list):
+        elif key in SCHEMA_VALUES and not isinstance(value, list):
             found = unsupported_keyword(value, f"{where}/{key}")
         if found:
             return found

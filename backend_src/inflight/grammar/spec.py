@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fields import InvalidRequestError, Shown, refuse
-from .schema_check import unsupported_keyword
+from .schema_check import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, unsupported_keyword
 
 # The spec kinds the compiler knows.
 JSON_SCHEMA, JSON_OBJECT, JSON_ANY, REGEX, CHOICE, EBNF, LARK = (
@@ -144,15 +144,24 @@ def from_trtllm(guide_type: str | None, guide: str | None) -> GrammarSpec | None
 
 
 def _closed(schema: Any) -> Any:
-    """vLLM's disable_additional_properties: every object schema without additionalProperties gets false."""
-    if isinstance(schema, dict):
-        out = {k: _closed(v) for k, v in schema.items()}
-        if out.get("type") == "object" and "additionalProperties" not in out:
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_closed(v) for v in schema]
-    return schema
+    """vLLM's disable_additional_properties: every object schema without additionalProperties gets false.
+
+    Only the keys that hold schemas are followed (schema_check's lists, the same walk as the keyword check, which
+    has refused `not`, `if` and the like already): const, enum, default and examples hold data, which may look like
+    a schema but must reach the grammar as written."""
+    if not isinstance(schema, dict):
+        return schema  # a boolean schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_closed(sub) for sub in value]
+        elif key in SCHEMA_VALUES and isinstance(value, dict):
+            out[key] = _closed(value)
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def spec_of(params: Any) -> GrammarSpec | None:
