@@ -12,9 +12,11 @@ import torch
 from engine_helpers import ROOT, SMOLLM2, TINY, TINY_GEMMA3, assert_pool_whole
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
+from inflight.model.linear import Linear
 from inflight.model.native_decode import quant_product
 from inflight.model.quant import (BF16, BLOCK, INT4, INT8, QuantizedWeight, from_gguf_blocks, quantize_int4,
                                   quantize_int8, quantized_bytes, to_bf16)
+from inflight.sequence import TokenLogprobs
 
 SMOL_Q4_1 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-GGUF", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -125,18 +127,102 @@ def test_the_wheels_q4_1_gguf_serves_exactly_what_the_float32_folder_does():
     assert_pool_whole(gguf.engine)
 
 
+# Checkpoint projections the engine holds fused (model/loader.py), split back for the transformers reference.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# Log-probabilities of the quantized engine against the float32 reference over the same (dequantized) weights:
+# measured at most 3e-6 apart (summation order only); a wrong product moves them by far more.
+LOGPROB_TOLERANCE = 5e-5
+
+
+def dequantized_reference(path: str, model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' float32 model of `path`, every weight the engine quantized replaced by its dequantization:
+    the torch forward that every quantized step shape must reproduce."""
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            quant = getattr(module, "quant", None)
+            if quant is None:
+                continue
+            weight = quant.dequantize()
+            if name in ("lm_head", "embed_tokens"):  # tied: one quant, and one tensor in the reference too
+                reference.get_submodule(name if name == "lm_head" else "model.embed_tokens").weight.copy_(weight)
+                continue
+            _, layer, projection = name.split(".", 2)  # layers.<i>.<projection>
+            parts = [reference.get_submodule(f"model.layers.{layer}.{theirs}")
+                     for theirs in _FUSED.get(projection, (projection,))]
+            for part, rows in zip(parts, weight.split([p.weight.shape[0] for p in parts])):
+                part.weight.copy_(rows)
+    return reference
+
+
+class StepShapes:
+    """Passes each forward on to the runner's own and notes its shape: (decode-only, rows)."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.seen: list[tuple[bool, int]] = []
+
+    def __call__(self, input_ids, positions, meta, kv_caches):
+        self.seen.append((meta.max_query_len == 1, meta.num_seqs))
+        return self.forward(input_ids, positions, meta, kv_caches)
+
+
+def generate_with_logprobs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[TokenLogprobs]]:
+    """Each request's per-token log-probabilities, as the engine computes them off each step's logits."""
+    engine = llm.engine
+    got: dict[str, list[TokenLogprobs]] = {f"q{i}": [] for i in range(len(prompts))}
+    for rid, prompt in zip(got, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id] += out.logprobs
+    return list(got.values())
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("model", [TINY, TINY_GEMMA3], ids=["llama", "gemma3"])
 def test_quantized_at_load_serves_every_step_shape(quantization, model):
-    """Prefill chunks, few-row and many-row decode steps of a model quantized at load (the Llama family through
-    the whole native step, Gemma 3 through its torch forward): every request finishes, the pool is whole."""
+    """Prefill chunks, few-row and many-row decode steps of a model quantized at load (the Llama family's decode
+    steps through the whole native step, Gemma 3 through its torch forward): each token's top log-probabilities
+    equal those of transformers' float32 forward over the dequantized weights (teacher-forced on the engine's own
+    tokens), and each greedy token is the reference's most likely one; the pool is whole."""
     llm = LLM(model, quantization=quantization, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=24)
-    model = llm.engine.runner.model
-    assert all(m.quant is not None for m in model.modules() if hasattr(m, "quant_rows"))
+    runner = llm.engine.runner
+    quantized = runner.model
+    linears = [m for m in quantized.modules() if isinstance(m, Linear)]
+    assert linears and all(m.quant is not None and m.quant_product is not None for m in linears), \
+        "a linear is not quantized, or dequantizes at every call instead of taking the native product"
+    native_step = runner.forward is not quantized
+    assert native_step == (model == TINY), "the Llama family takes the native step, Gemma 3 its torch forward"
+    runner.forward = shapes = StepShapes(runner.forward)
     ids = llm.tokenizer.encode(open(os.path.join(ROOT, "docs", "engine.md")).read())
-    prompts = [ids[i * 7:i * 7 + 5 + i] for i in range(20)]  # 20 rows decode together: the many-row path
-    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert all(len(o.token_ids) == 6 for o in outs)
+    prompts = [ids[i * 7:i * 7 + 5 + i] for i in range(20)]
+    max_tokens = 12
+    outs = generate_with_logprobs(llm, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True, logprobs=5))
+    # 24 tokens a step over 290 prompt tokens: chunked prefills, then decode-only steps (a row per request and per
+    # n-gram draft token verified) of many rows (the native product's tile-at-a-time path past six) and of a few.
+    decode_rows = {rows for decode_only, rows in shapes.seen if decode_only}
+    assert any(not decode_only for decode_only, _ in shapes.seen), shapes.seen
+    assert max(decode_rows) > 6 and min(decode_rows) <= 3, shapes.seen
+    reference = dequantized_reference(model, quantized)
+    for prompt, tokens in zip(prompts, outs):
+        assert len(tokens) == max_tokens
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + [t.token_id for t in tokens[:-1]]])).logits[0]
+        want = torch.log_softmax(logits[len(prompt) - 1:].float(), dim=-1)
+        for step, (token, row) in enumerate(zip(tokens, want)):
+            where = f"{len(prompt)}-token prompt, output token {step}"
+            ours = torch.tensor([lp for lp, _, _ in token.top.values()])
+            torch.testing.assert_close(ours, row[list(token.top)], atol=LOGPROB_TOLERANCE, rtol=0,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+            assert row[token.token_id] >= row.max() - LOGPROB_TOLERANCE, \
+                f"{where}: greedy took a token the reference ranks lower"
+    if native_step:
+        assert shapes.forward.steps > 0, "no decode step ran natively"
     assert_pool_whole(llm.engine)
 
 
