@@ -17,12 +17,14 @@ from .linear import DirectCall, Linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse RoPE frequencies; llama3's wavelength-dependent rescaling or linear position interpolation when
-    the scaling asks for it."""
+    """Inverse RoPE frequencies; llama3's wavelength-dependent rescaling, linear position interpolation or a
+    GGUF file's per-dimension divisors (freq_factors: its rope_freqs tensor) when the scaling asks for it."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = scaling.get("rope_type")
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
