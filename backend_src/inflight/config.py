@@ -70,8 +70,8 @@ class EngineConfig:
     # Structured output (docs/structured_output.md).
     grammar_compile_timeout_ms: int = setting(10_000, Ints(1, 3_600_000), (
         "A request whose grammar (JSON schema, regex, choice, EBNF) has not compiled this long after it arrived "
-        "is refused (INVALID_ARG) before it takes any KV block; the compile itself finishes in its worker and "
-        "is cached."))
+        "is refused (INVALID_ARG) before it takes any KV block; the compile is stopped (its worker process "
+        "killed) and the spec stays cached as refused."))
     grammar_cache_entries: int = setting(256, Ints(1, 1 << 20), (
         "Compiled grammars kept, least recently used first out; a request with a cached grammar is admitted "
         "without compiling."))

@@ -66,12 +66,13 @@ class LLMEngine:
         # _render_deferred). Only where the forward runs asynchronously: on CPU it would only add a step of latency.
         self.defer_detokenize = self.runner.is_cuda
         self._deferred: dict[Sequence, int] = {}  # request -> its newest token, not rendered yet
-        # Structured output: grammars compiled by a worker (never this thread), cached by their text; requests
-        # waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
+        # Structured output: grammars compiled by worker processes (never this thread), cached by their text;
+        # requests waiting for theirs, in arrival order; the step's bitmask of the constrained rows.
         vocab = self.runner.model_config.vocab_size
-        # The compile worker reads the vocabulary from a tokenizer object of its own, loaded as the engine's are.
+        # The vocabulary is read from a tokenizer object of its own, loaded as the engine's are.
         self.grammars = GrammarCache(lambda: load_tokenizer(config.model), vocab, sorted(eos),
-                                     config.grammar_cache_entries, on_compiled=self.metrics.on_grammar_compile)
+                                     config.grammar_cache_entries, config.grammar_compile_timeout_ms,
+                                     on_compiled=self.metrics.on_grammar_compile)
         self._awaiting_grammar: dict[Sequence, None] = {}
         self.step_mask = StepMask(vocab, sorted(eos))
         self.step_hook: Callable[[], None] | None = None  # tests inject faults here
@@ -187,6 +188,8 @@ class LLMEngine:
                     seq.grammar_matcher = self.grammars.new_matcher(handle)
                 else:
                     outs.append(self._refuse(seq, compiled.error, now))
+                    if compiled.timed_out:  # the pool stopped it at the deadline (this request's, or an earlier one's)
+                        self.metrics.on_grammar_timeout()
             elif now - handle.requested_at > timeout_s:
                 del self._awaiting_grammar[seq]
                 spec = handle.spec
@@ -601,6 +604,7 @@ class EngineLoop:
         self._stopping.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout_s)
+        self.engine.grammars.close()  # its compile processes (they also end with this process)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -108,7 +108,7 @@ class EngineMetrics:
       request_prompt_tokens:       vllm:request_prompt_tokens (per finished request)
       request_generation_tokens:   vllm:request_generation_tokens (per finished request)
       request_params_n:            vllm:request_params_n (samples a request asked for)
-      grammar_compile_seconds:     no vLLM equivalent (one grammar compile, in its worker thread)
+      grammar_compile_seconds:     no vLLM equivalent (one grammar compile, in its worker process)
 
     Speculative decoding counters (vLLM's spec_decode_* names): drafts verified (one per request and step that
     had any), draft tokens, accepted draft tokens, and accepted tokens by draft position (position i counts the
@@ -241,7 +241,7 @@ class EngineMetrics:
                 self.grammar_cache_misses += 1
 
     def on_grammar_compile(self, seconds: float, ok: bool) -> None:
-        """From the compile worker (the lock makes that safe)."""
+        """From a compile lane's thread (the lock makes that safe)."""
         with self._lock:
             self.histograms["grammar_compile_seconds"].observe(seconds)
             self.grammar_compile_errors += 0 if ok else 1

@@ -161,8 +161,8 @@ def test_a_cached_grammar_is_not_compiled_again(engine):
 
 def test_a_request_waits_for_its_grammar_without_taking_a_block_then_runs(engine, monkeypatch):
     gate = threading.Event()
-    real = engine.grammars._compile_with
-    monkeypatch.setattr(engine.grammars, "_compile_with", lambda c, s: gate.wait(30) and real(c, s))
+    real = engine.grammars.pool._run
+    monkeypatch.setattr(engine.grammars.pool, "_run", lambda lane, job: gate.wait(30) and real(lane, job))
     engine.add_request("slow", "Hello", structured(regex="slow[0-9]"))
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     seq = engine.seqs["slow"]
@@ -180,10 +180,10 @@ def test_a_request_waits_for_its_grammar_without_taking_a_block_then_runs(engine
 
 def test_compile_errors_and_timeouts_are_refused_before_any_block():
     engine = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=32, max_model_len=128, grammar_compile_timeout_ms=50))
-    engine.grammars.compiler()  # the tokenizer's vocabulary, read once (about a second), is not the compile's time
+    engine.grammars.warm_up()  # the tokenizer's vocabulary, read once (about a second), is not the compile's time
     gate = threading.Event()
-    real = engine.grammars._compile_with
-    engine.grammars._compile_with = lambda c, s: real(c, s) if "fast" in s.text or gate.wait(30) else None
+    real = engine.grammars.pool._run
+    engine.grammars.pool._run = lambda lane, job: real(lane, job) if "fast" in job.spec.text or gate.wait(30) else None
     out = run(engine, {"bad": ("x", structured(regex="[fast")), "late": ("x", structured(regex="late+"))})
     gate.set()
     text, reason, error, refused = out[("bad", 0)]
@@ -257,8 +257,8 @@ def test_the_loop_sleeps_while_only_a_grammar_compiles_and_wakes_when_it_is_done
     from inflight.engine import EngineLoop
 
     gate = threading.Event()
-    real = engine.grammars._compile_with
-    monkeypatch.setattr(engine.grammars, "_compile_with", lambda c, s: gate.wait(30) and real(c, s))
+    real = engine.grammars.pool._run
+    monkeypatch.setattr(engine.grammars.pool, "_run", lambda lane, job: gate.wait(30) and real(lane, job))
     texts = []
     done = threading.Event()
 

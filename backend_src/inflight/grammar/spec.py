@@ -9,10 +9,11 @@ engine thread. No grammar library is imported here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..fields import InvalidRequestError, Shown, refuse
+from .cost import CompileCost, check_cost, regex_cost, schema_cost
 from .schema_check import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, unsupported_keyword
 
 # The spec kinds the compiler knows.
@@ -40,6 +41,7 @@ class GrammarSpec:
     text: str
     any_whitespace: bool = True
     source: str = "structured_outputs"  # the field a compile error names
+    cost: CompileCost = field(default_factory=CompileCost, compare=False)  # told from the text (grammar/cost.py)
 
     @property
     def num_bytes(self) -> int:
@@ -78,8 +80,24 @@ def _text(name: str, value: Any, what: str) -> str:
     return value
 
 
+def costed(spec: GrammarSpec) -> GrammarSpec:
+    """The spec with what it will cost to compile; refused by name when that is more than any request may cost."""
+    if spec.kind == JSON_SCHEMA:
+        cost = schema_cost(spec.text, spec.source)
+    elif spec.kind in (REGEX, EBNF, LARK):
+        cost = regex_cost(spec.text)
+    else:
+        return spec
+    check_cost(cost, spec.source)
+    return replace(spec, cost=cost)
+
+
 def from_structured_outputs(obj: Any, name: str = "structured_outputs") -> GrammarSpec:
     """vLLM's structured_outputs / guided_decoding object (already a dict) -> a spec, or InvalidRequestError."""
+    return costed(_from_structured_outputs(obj, name))
+
+
+def _from_structured_outputs(obj: Any, name: str) -> GrammarSpec:
     if not isinstance(obj, dict):
         raise refuse(name, obj, f"a JSON object with one of {', '.join(STRUCTURED_KINDS)}")
     unknown = sorted(k for k in obj if k not in STRUCTURED_KINDS + STRUCTURED_OPTIONS)
@@ -122,6 +140,11 @@ def from_structured_outputs(obj: Any, name: str = "structured_outputs") -> Gramm
 
 def from_trtllm(guide_type: str | None, guide: str | None) -> GrammarSpec | None:
     """TensorRT-LLM's guided_decoding_guide_type + guided_decoding_guide -> a spec (None: neither given)."""
+    spec = _from_trtllm(guide_type, guide)
+    return costed(spec) if spec is not None else None
+
+
+def _from_trtllm(guide_type: str | None, guide: str | None) -> GrammarSpec | None:
     if guide_type is None:
         if guide is not None:
             raise refuse("guided_decoding_guide", guide, "only with guided_decoding_guide_type set",
