@@ -18,6 +18,7 @@ from grpc_helpers import infer_inputs, stream_to_final
 from server_harness.quiescence import assert_quiescent, scrape
 from server_harness.repository import copy_model
 from server_harness.stream_client import StreamClient, finals_problems
+from serving.metrics_export import REQUEST_SUCCESS
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
@@ -25,6 +26,7 @@ NUM_BLOCKS = 128
 ENGINE = {"model": str(TINY), "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 64}
 PROMPTS = ["The capital of France is", "Café au lait, naïve résumé: ☕ ", "1, 2, 3, 4,"]
 _DTYPES = {bool: np.bool_, int: np.int32, float: np.float32}
+LENGTH_FINISHES = REQUEST_SUCCESS.name + "{finished_reason=length}"  # as scrape() keys a labelled sample
 
 
 def batched(values: dict) -> dict:
@@ -277,18 +279,19 @@ def test_a_step_past_the_idle_timeout_ends_the_request_with_an_error_not_a_hang(
 def test_limit_inside_an_ensemble_a_cancel_does_not_reach_the_iterative_model(server):
     """An ensemble step works (Triton gives the composing request its own sequence), but Triton 2.51 does not pass a
     client's cancellation on to composing models: the request runs to its end (max_tokens) and frees its KV then."""
-    done_before = counter(server, "vllm:request_success_total", "llm_iterative")
+    done_before = counter(server, REQUEST_SUCCESS.name, "llm_iterative")
+    length_before = scrape(server.metrics_url, "llm_iterative").get(LENGTH_FINISHES, 0)
     client = StreamClient(server.grpc_url)
     client.send("iterative_ensemble", "e", batched({"text_input": "Count: 1, 2,"})["text_input"],
                 batched({"max_tokens": 60, "ignore_eos": True, "stream": True}))
     assert client.wait_responses("e", 2, timeout_s=60)
     client.close(cancel=True)
     deadline = time.monotonic() + 60
-    while counter(server, "vllm:request_success_total", "llm_iterative") == done_before:
+    while counter(server, REQUEST_SUCCESS.name, "llm_iterative") == done_before:
         assert time.monotonic() < deadline, "the composing request never finished"
         time.sleep(0.2)
     m = scrape(server.metrics_url, "llm_iterative")
-    assert m.get("vllm:request_success_total{finished_reason=length}", 0) >= 1
+    assert m.get(LENGTH_FINISHES, 0) - length_before == 1, "the cancelled request did not run to max_tokens"
     quiet(server)
     whole, err = stream(server.grpc_url, "iterative_ensemble", {"text_input": "Hello", "max_tokens": 6,
                                                                 "stream": False, "ignore_eos": True})
