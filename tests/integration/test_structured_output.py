@@ -9,6 +9,7 @@ force preemption); `llm_timeout` (tiny-llama, grammar_compile_timeout_ms=1: ever
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ from server_harness.quiescence import assert_quiescent
 from server_harness.repository import build_repository, copy_model
 from server_harness.server import TritonServer
 from server_harness.stream_client import make_inputs
+from serving.metrics_export import COUNTERS, HISTOGRAMS
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,6 +50,12 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"]}}}
+# The grammar counters by their exported names (serving/metrics_export.py); a compile, refused or not, is one
+# observation of the compile-time histogram.
+_EXPORTED = {e.source: e.name for e in COUNTERS + HISTOGRAMS}
+HITS, MISSES = _EXPORTED["grammar_cache_hits"], _EXPORTED["grammar_cache_misses"]
+COMPILE_ERRORS = _EXPORTED["grammar_compile_errors"]
+COMPILES = _EXPORTED["grammar_compile_seconds"] + "_count"
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "Current time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
@@ -140,6 +148,37 @@ def scraped(server, model: str, ok, timeout_s: float = 10.0) -> dict[str, float]
         if ok(m) or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+def grown(server, model: str, before: dict[str, float], expected: dict[str, float],
+          timeout_s: float = 10.0) -> dict[str, float]:
+    """How much each counter named in `expected` has grown since `before` (a scrape taken before the requests under
+    test), read once every one has grown at least that much or at the timeout: the caller compares it with
+    `expected` exactly, so growth from any other request shows too."""
+    def deltas(m: dict[str, float]) -> dict[str, float]:
+        return {name: m.get(name, 0) - before.get(name, 0) for name in expected}
+    return deltas(scraped(server, model, lambda m: all(deltas(m)[n] >= v for n, v in expected.items()), timeout_s))
+
+
+@functools.lru_cache(maxsize=1)
+def grammar_compiler():
+    """An xgrammar compiler over SmolLM2's vocabulary, built as the engine builds its own (grammar/compiler.py:
+    the model's vocabulary size, its end-of-sequence ids and the tokenizer's)."""
+    import xgrammar as xgr
+    from inflight.model.config import ModelConfig
+    from inflight.tokenizer import load_tokenizer
+    cfg, tokenizer = ModelConfig.from_dir(SMOLLM2), load_tokenizer(SMOLLM2)
+    eos = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=cfg.vocab_size, stop_token_ids=sorted(eos))
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def assert_grammar_accepts(compile_grammar, text: str) -> None:
+    """`text` (an output cut by max_tokens) is a prefix the grammar accepts: a matcher at the grammar's start takes
+    it whole. compile_grammar: compiler -> CompiledGrammar, the same call the engine makes for the request."""
+    import xgrammar as xgr
+    matcher = xgr.GrammarMatcher(compile_grammar(grammar_compiler()))
+    assert matcher.accept_string(text), f"not a prefix the request's grammar accepts: {text!r}"
 
 
 def one(server, model: str, prompt: str, **values) -> tuple[str, str]:
@@ -244,7 +283,8 @@ def test_json_schema_on_the_tensorrt_llm_ways_and_the_dynamic_arm(server):
     if reason == "stop":
         json.loads(text)
     else:
-        assert reason == "length" and text.lstrip()[:1] in '{["-0123456789tfn', (reason, text)
+        assert reason == "length", (reason, text)
+        assert_grammar_accepts(lambda c: c.compile_builtin_json_grammar(), text)
 
 
 def test_json_schema_through_openai_response_format_on_both_endpoints(client):
@@ -263,10 +303,11 @@ def test_json_schema_through_openai_response_format_on_both_endpoints(client):
         model="llm", messages=[{"role": "user", "content": "Reply with a JSON object whose key answer says yes."}],
         response_format={"type": "json_object"}, max_tokens=120, temperature=0)
     text, reason = anything.choices[0].message.content, anything.choices[0].finish_reason
-    if reason == "stop":  # any object; a long one may be cut by max_tokens, and then it only starts as one
+    if reason == "stop":  # any object; a long one may be cut by max_tokens, and then it is one's beginning
         assert isinstance(json.loads(text), dict)
     else:
-        assert reason == "length" and text.lstrip().startswith("{"), (reason, text)
+        assert reason == "length", (reason, text)
+        assert_grammar_accepts(lambda c: c.compile_json_schema('{"type": "object"}', any_whitespace=True), text)
 
 
 def test_constrained_requests_leave_unconstrained_neighbours_byte_identical(server):
@@ -348,8 +389,10 @@ def test_a_preempted_constrained_request_still_follows_its_schema(server):
     for i in range(3):
         if calls.reasons[f"p{i}"] == ["stop"]:
             valid_user(calls.texts[f"p{i}"][0])
-        else:  # cut by max_tokens: what it has is still a prefix the grammar accepted
-            assert calls.texts[f"p{i}"][0].lstrip().startswith("{")
+        else:  # cut by max_tokens: what it has is still a prefix the grammar accepts
+            assert calls.reasons[f"p{i}"] == ["length"], calls.reasons[f"p{i}"]
+            assert_grammar_accepts(lambda c: c.compile_json_schema(json.dumps(USER), any_whitespace=True),
+                                   calls.texts[f"p{i}"][0])
     assert_quiescent(server, "llm_small", SMALL_BLOCKS)
 
 
@@ -436,32 +479,40 @@ def test_bad_constraints_are_refused_on_the_other_ways_and_nothing_leaks(server,
 
 
 def test_compile_time_and_cache_hits_are_on_metrics(server):
+    """A grammar the library refuses, then one schema twice (new to this server): two compiles (one refused), two
+    misses, one hit, counted by these requests alone."""
+    before = scrape(server.metrics_url, "llm")
     refused(server, "llm", "Hi", sampling_parameters=so(regex="(unclosed"))
     for _ in range(2):
         one(server, "llm", "Pick a color.", sampling_parameters=so(choice=["red", "green", "blue"]))
-    m = scraped(server, "llm", lambda m: m.get("inflight:grammar_cache_hits_total", 0) >= 1
-                and m.get("inflight:grammar_compile_errors_total", 0) >= 1)
-    assert m.get("inflight:grammar_cache_hits_total", 0) >= 1
-    assert m.get("inflight:grammar_cache_misses_total", 0) >= 1
-    assert m.get("inflight:grammar_compile_seconds_count", 0) >= 1
-    assert m.get("inflight:grammar_compile_errors_total", 0) >= 1  # the bad constraints above
+    expected = {HITS: 1, MISSES: 2, COMPILES: 2, COMPILE_ERRORS: 1}
+    assert grown(server, "llm", before, expected) == expected
     assert_quiescent(server, "llm", LLM_BLOCKS)
 
 
-def test_threads_do_not_share_one_constraint_badly(server):
-    """The same schema from many clients at once: one compile, every answer valid."""
+@pytest.mark.parametrize("concurrent", [True, False], ids=["at-once", "one-after-another"])
+def test_one_schema_from_many_clients_is_compiled_once(server, concurrent):
+    """The same schema (new to this server) from four clients, at once (a later one shares the compile under way,
+    or finds it done) or one after another (they find it in the cache): one compile, three hits, every answer
+    valid."""
+    fruits = ["apple", "pear"] if concurrent else ["plum", "fig"]
     results: list[str] = []
     errors: list[str] = []
 
     def ask() -> None:
         try:
-            results.append(one(server, "llm", "Pick a fruit.", sampling_parameters=so(choice=["apple", "pear"]))[0])
+            results.append(one(server, "llm", "Pick a fruit.", sampling_parameters=so(choice=fruits))[0])
         except AssertionError as e:
             errors.append(str(e))
 
+    before = scrape(server.metrics_url, "llm")
     threads = [threading.Thread(target=ask) for _ in range(4)]
     for t in threads:
         t.start()
+        if not concurrent:
+            t.join()
     for t in threads:
         t.join()
-    assert not errors and sorted(set(results)) <= ["apple", "pear"] and len(results) == 4
+    assert not errors and set(results) <= set(fruits) and len(results) == 4, (errors, results)
+    expected = {COMPILES: 1, MISSES: 1, HITS: 3, COMPILE_ERRORS: 0}
+    assert grown(server, "llm", before, expected) == expected
