@@ -152,7 +152,7 @@ class IterativeStepRunner:
                 if tracked is None:
                     continue  # refused: its one final is out
             elif tracked is None or tracked.live.client_id != request.client_id:
-                if self._ended_elsewhere.pop(cid, None) is None:  # not ours to let go silently: say why
+                if not self._forget_ended_elsewhere(cid):  # not ours to let go silently: say why
                     self._refuse_foreign(request, tracked)
                 continue
             else:
@@ -184,15 +184,23 @@ class IterativeStepRunner:
         return reschedule, stats
 
     def close(self, reason: str = "cancelled: the model is being unloaded") -> None:
-        """Unload: every live sequence gets its final (CANCELLED) on the last sender it was handed with."""
+        """Unload: stop the idle poller, then end every live sequence (end_all)."""
         self._stop_poller.set()
         if self._poller is not None:
             self._poller.join(5.0)
+        self.end_all(reason)
+
+    def end_all(self, reason: str) -> None:
+        """Every live sequence gets its final (CANCELLED) on the last sender it was handed with; the idle poller
+        keeps running (after a failed execute the model still serves, and only the poller frees a sequence whose
+        client cancels when no execute follows). Triton still holds the requests it did not hand in: each comes
+        back once and is let go; those it released never come back (their entries age out)."""
         with self._lock:
-            self._deliver(self._abort(list(self.sequences.values()), reason))
+            self._deliver(self._abort(list(self.sequences.values()), reason), present=set())
             for tracked in list(self.sequences.values()):  # only if the engine had nothing to say for it
                 self.responder.fail(tracked.live, RequestError(f"request {reason}", UNAVAILABLE))
                 self._drop(tracked)
+                self._remember_ended_elsewhere(tracked.correlation_id)
 
     # ---- between executes ---------------------------------------------------------------------------
     def start_idle_poller(self, period_s: float) -> None:
@@ -266,8 +274,18 @@ class IterativeStepRunner:
             return []
         targets = [t for t in self.sequences.values() if t.live.client_id == request.client_id]
         outs = self._abort(targets, "cancelled by a stop request with the same id")
-        self.transport.send(request.sender, {"text_output": np.array([b""], dtype=np.object_)}, final=True)
+        self._answer_stop(request)
         return outs
+
+    def _answer_stop(self, request: HandedRequest) -> None:
+        """The stop request's own final: empty data. A failed send costs this request only (raised, it would end
+        the execute, and with it every live sequence)."""
+        try:
+            self.transport.send(request.sender, {"text_output": np.array([b""], dtype=np.object_)}, final=True)
+        except Exception as e:  # noqa: BLE001 - the client went away, or Triton refused the response
+            log.exception("the final of a stop request (request id %r) failed", request.client_id)
+            send_error(self.transport, request.sender, RequestError(f"internal error: {type(e).__name__}: {e}",
+                                                                    INTERNAL), request.client_id)
 
     # ---- leaving ------------------------------------------------------------------------------------
     def _forget_cancelled(self, handed_ids: set[int], stats: ExecuteStats) -> None:
@@ -359,6 +377,16 @@ class IterativeStepRunner:
             if live.done:
                 self._drop(tracked)
                 if present is not None and tracked.correlation_id not in present:
-                    self._ended_elsewhere[tracked.correlation_id] = None
-                    while len(self._ended_elsewhere) > MAX_ENDED_ELSEWHERE:  # requests Triton dropped meanwhile
-                        del self._ended_elsewhere[next(iter(self._ended_elsewhere))]
+                    self._remember_ended_elsewhere(tracked.correlation_id)
+
+    def _remember_ended_elsewhere(self, correlation_id: int) -> None:
+        self._ended_elsewhere[correlation_id] = None
+        while len(self._ended_elsewhere) > MAX_ENDED_ELSEWHERE:  # requests Triton dropped meanwhile
+            del self._ended_elsewhere[next(iter(self._ended_elsewhere))]
+
+    def _forget_ended_elsewhere(self, correlation_id: int) -> bool:
+        """Whether this sequence got its final elsewhere (its request is back once more); forgets it."""
+        if correlation_id not in self._ended_elsewhere:
+            return False
+        del self._ended_elsewhere[correlation_id]
+        return True

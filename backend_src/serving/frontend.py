@@ -138,7 +138,17 @@ class InflightFrontend:
                 live.abort_reason = "cancelled by a stop request with the same id"
         for live in targets:
             self.loop.abort_request(live.internal_id)
-        self.transport.send(sender, {"text_output": np.array([b""], dtype=np.object_)}, final=True)
+        self._answer_stop(sender, client_id)
+
+    def _answer_stop(self, sender: Any, client_id: str) -> None:
+        """The stop request's own final: empty data. A failed send costs this request only (raised, it would leave
+        the model's execute, and the requests after it there would never be submitted)."""
+        try:
+            self.transport.send(sender, {"text_output": np.array([b""], dtype=np.object_)}, final=True)
+        except Exception as e:  # noqa: BLE001 - the client went away, or Triton refused the response
+            log.exception("the final of a stop request (request id %r) failed", client_id)
+            send_error(self.transport, sender, RequestError(f"internal error: {type(e).__name__}: {e}", INTERNAL),
+                       client_id)
 
     # ---- responses out (engine thread -> sender thread) -------------------------------------------
     def _on_outputs(self, outs: list[RequestOutput]) -> None:

@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import TINY, assert_pool_whole
 from inflight.config import EngineConfig
 from inflight.engine import LLMEngine
-from serving.errors import CANCELLED, INVALID_ARG, UNAVAILABLE
+from serving.errors import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
 from serving.frontend import InflightFrontend
 
 
@@ -41,6 +41,20 @@ class RecordingTransport:
         if sender.done.is_set():
             self.violations.append(f"is_cancelled after FINAL on {sender.name}")
         return sender.cancelled
+
+
+class FlakyTransport(RecordingTransport):
+    """Raises once, on the first final sent to `fail_final_of` (the client went away, or Triton refused it)."""
+
+    def __init__(self, fail_final_of: str):
+        super().__init__()
+        self.fail_final_of = fail_final_of
+
+    def send(self, sender, outputs, final, error=None):
+        if final and sender.name == self.fail_final_of:
+            self.fail_final_of = None
+            raise RuntimeError("injected: the response sender is gone")
+        super().send(sender, outputs, final, error)
 
 
 def text_of(sender):
@@ -207,6 +221,31 @@ def test_trtllm_stop_flag_cancels_requests_with_that_id(frontend):
     assert stopper.events == [({"text_output": stopper.events[0][0]["text_output"]}, True, None)]
     assert target.events[-1][2].code == CANCELLED and "stop request" in target.events[-1][2].message
     assert other.events[-1][2] is None
+
+
+def test_a_stop_requests_failed_final_costs_that_request_only(engine):
+    """model.py's execute submits its requests one by one: a stop request whose empty final cannot be sent must not
+    raise out of submit (the requests after it in that execute would never be handed over)."""
+    transport = FlakyTransport(fail_final_of="stopper")
+    fe = InflightFrontend(engine, transport, cancel_check_period_s=0.02)
+    fe.start()
+    try:
+        target, other, stopper, later = Sender("target"), Sender("other"), Sender("stopper"), Sender("later")
+        fe.submit(target, "victim", request("Go", max_tokens=200, ignore_eos=True, stream=True))
+        fe.submit(other, "bystander", request("Go", max_tokens=8, ignore_eos=True))
+        while not target.events:
+            time.sleep(0.01)
+        fe.submit(stopper, "victim", request(""), {"stop": True})
+        fe.submit(later, "later", request("Go", max_tokens=5, ignore_eos=True))
+        wait(target, other, stopper, later)
+        assert target.events[-1][2].code == CANCELLED and "stop request" in target.events[-1][2].message
+        assert len(finals(other)) == 1 and other.events[-1][2] is None and text_of(other)
+        assert len(finals(later)) == 1 and later.events[-1][2] is None and text_of(later)
+        assert len(finals(stopper)) == 1 and stopper.events[-1][2].code == INTERNAL  # its one final, after the failed
+    finally:
+        fe.close()
+    assert transport.violations == [] and fe.num_inflight == 0
+    assert_pool_whole(engine)
 
 
 def test_queue_full_is_unavailable(engine):

@@ -35,7 +35,8 @@ class Client:
 
 class FakeTriton:
     """Triton's side: correlation ids, start flags, a new sender per execute, rescheduling, and a transport that
-    fails the test when a sender is used after its client's final or a stale sender of a live sequence is used."""
+    fails the test when a sender is used after its client's final or a stale sender of a live sequence is used
+    (also listed in .violations: the runner logs and swallows what a send raises)."""
 
     def __init__(self):
         self.clients: dict[str, Client] = {}
@@ -44,17 +45,23 @@ class FakeTriton:
         self.queued: set[str] = set()  # rescheduled: in a slot, waiting for the next execute
         self.num_executes = 0
         self.current: dict[str, Sender] = {}  # the newest sender of each client
+        self.violations: list[str] = []
+
+    def _check(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.violations.append(message)
+            raise AssertionError(message)
 
     # -- the transport the runner talks through --
     def send(self, sender, outputs, final, error=None):
         client = self.clients[sender.client]
-        assert not any(s[1] for s in client.sent), f"{sender.client}: a send after the final"
-        assert sender == self.current[sender.client], f"{sender.client}: a send on a stale sender"
+        self._check(not any(s[1] for s in client.sent), f"{sender.client}: a send after the final")
+        self._check(sender == self.current[sender.client], f"{sender.client}: a send on a stale sender")
         client.sent.append((outputs, final, error, sender))
 
     def is_cancelled(self, sender):
         client = self.clients[sender.client]
-        assert not any(s[1] for s in client.sent), f"{sender.client}: is_cancelled after the final"
+        self._check(not any(s[1] for s in client.sent), f"{sender.client}: is_cancelled after the final")
         return client.cancelled
 
     # -- the client side --
@@ -115,12 +122,60 @@ class FakeTriton:
         raise AssertionError(f"still queued after {limit} executes: {sorted(self.queued)}")
 
 
+class FlakyTriton(FakeTriton):
+    """FakeTriton whose transport raises once, on the first final sent to `fail_final_of` (the client went away, or
+    Triton refused the response): that costs that request only."""
+
+    def __init__(self, fail_final_of: str):
+        super().__init__()
+        self.fail_final_of: str | None = fail_final_of
+
+    def send(self, sender, outputs, final, error=None):
+        if final and sender.client == self.fail_final_of:
+            self.fail_final_of = None
+            raise RuntimeError("injected: the response sender is gone")
+        super().send(sender, outputs, final, error)
+
+
+class FailingHook:
+    """A request hook (serving.request_hooks) whose apply raises: a bug inside execute, past the request guards."""
+    parameter = "fail_execute"
+
+    def attach(self, engine) -> None:
+        pass
+
+    def parse(self, raw):
+        return raw
+
+    def apply(self, parsed) -> None:
+        raise RuntimeError("injected: a bug in execute")
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 @pytest.fixture(scope="module")
 def engine():
     return LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64))
 
 
+_made: list[FakeTriton] = []
+
+
+@pytest.fixture(autouse=True)
+def no_transport_violations():
+    """What the fake transport refused, the runner logged and swallowed: fail the test that caused it."""
+    _made.clear()
+    yield
+    assert [v for triton in _made for v in triton.violations] == []
+
+
 def make(engine, triton: FakeTriton, **kwargs) -> IterativeStepRunner:
+    _made.append(triton)
     return IterativeStepRunner(engine, triton, **kwargs)
 
 
@@ -385,3 +440,74 @@ def test_members_draft_and_verify_like_the_in_flight_loop():
     counters = drafting.metrics.snapshot()["counters"]
     assert counters["spec_decode_num_draft_tokens"] > 0, counters
     assert_pool_whole(drafting)
+
+
+def test_a_stop_requests_failed_final_costs_that_request_only(engine):
+    """TensorRT-LLM's stop=true whose own final send raises: its targets still end CANCELLED, every other sequence
+    (of another client, or handed in after it in the same execute) runs on to one final, the idle poller keeps
+    freeing cancelled sequences, and no KV block is lost."""
+    triton = FlakyTriton(fail_final_of="stopper")
+    runner = make(engine, triton)
+    runner.start_idle_poller(0.02)
+    try:
+        common = dict(max_tokens=12, temperature=0.0, ignore_eos=True, stream=True)
+        for name, request_id in (("victim1", "victim"), ("victim2", "victim"), ("by1", "bystander"),
+                                 ("by2", "bystander")):
+            triton.submit(name, **common)
+            triton.clients[name].request_id = request_id
+        triton.execute(runner)
+        triton.submit("stopper", parameters={"stop": True})
+        triton.clients["stopper"].inputs = {}
+        triton.clients["stopper"].request_id = "victim"
+        triton.submit("late", **common)  # a start handed in after the stop request, in the same execute
+        triton.execute(runner, ["by1", "stopper", "victim1", "late", "by2", "victim2"])
+        triton.run(runner)
+        for name in ("victim1", "victim2"):
+            assert triton.final(name)[2].code == "CANCELLED"
+        for name in ("by1", "by2", "late"):
+            assert triton.final(name)[2] is None and triton.text(name)
+        assert triton.final("stopper")[2].code == "INTERNAL"  # its one final, after the failed one
+        assert_pool_whole(engine)
+
+        triton.submit("idle", **common)  # the poller still runs: a last request cancelled with no execute after
+        triton.execute(runner)
+        triton.clients["idle"].cancelled = True
+        triton.queued.discard("idle")
+        assert wait_until(lambda: runner.num_live == 0), "the idle poller did not free the cancelled sequence"
+        assert_pool_whole(engine)
+    finally:
+        runner.close()
+
+
+def test_ending_every_sequence_after_an_execute_error_keeps_the_idle_poller(engine):
+    """The model's execute failed (model.py then ends every live sequence and releases the handed requests): the
+    model still serves, so the poller must keep freeing cancelled sequences, and a sequence that was held back
+    comes back once from Triton's slot and is let go without a second final."""
+    triton = FakeTriton()
+    runner = make(engine, triton, request_hook=FailingHook())
+    runner.start_idle_poller(0.02)
+    try:
+        common = dict(max_tokens=30, temperature=0.0, ignore_eos=True, stream=True)
+        for name in ("a", "held"):
+            triton.submit(name, **common)
+        triton.execute(runner)
+        triton.submit("boom", parameters={FailingHook.parameter: True})
+        with pytest.raises(RuntimeError, match="injected"):  # `held` waits in its slot meanwhile
+            runner.execute(triton.handed(["a", "boom", None]))
+        runner.end_all("ended: internal error in execute")  # what model.py does then
+        triton.queued -= {"a", "boom"}  # released without a reschedule
+        for name in ("a", "held"):
+            assert triton.final(name)[2] is not None and "internal error in execute" in triton.final(name)[2].message
+        sent = len(triton.clients["held"].sent)
+        reschedule, _ = triton.execute(runner, ["held"])
+        assert reschedule == [False] and len(triton.clients["held"].sent) == sent
+        assert_pool_whole(engine)
+
+        triton.submit("idle", **common)
+        triton.execute(runner, ["idle"])
+        triton.clients["idle"].cancelled = True
+        triton.queued.discard("idle")
+        assert wait_until(lambda: runner.num_live == 0), "the idle poller did not free the cancelled sequence"
+        assert_pool_whole(engine)
+    finally:
+        runner.close()

@@ -97,7 +97,7 @@ class TritonPythonModel:
             reschedule, stats = self.runner.execute(handed)
         except Exception:  # noqa: BLE001 - a bug here must not leave requests rescheduled forever
             log.exception("execute failed; ending every live request")
-            self.runner.close("ended: internal error in execute")
+            self.runner.end_all("ended: internal error in execute")  # not close(): the idle poller must go on
             return None
         for request, again in zip(requests, reschedule):
             if again:
