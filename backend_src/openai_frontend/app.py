@@ -190,9 +190,13 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
             await deltas.aclose()
 
 
+WARM_UP_TIMEOUT_S = 120.0
+
+
 async def _warm_up(backend: TritonBackend, templates: ChatTemplates) -> None:
-    """Load the served models' tokenizers in the background: loading one takes seconds, which the first
-    chat request would otherwise wait for. Best effort: a chat request loads whatever is missing."""
+    """Load the served models' tokenizers before answering anything: loading one takes seconds of a core, which
+    the first requests would otherwise wait for, OpenAI's and tritonserver's alike on a small machine (`make serve`
+    says ready once /health answers). Best effort: a chat request loads whatever is missing."""
     try:
         for info in await backend.list_models():
             if info.tokenizer_dir:
@@ -213,9 +217,11 @@ def create_app(triton_url: str, tokenizers: dict[str, str] | None = None,
     async def lifespan(app: FastAPI):
         app.state.backend = TritonBackend(triton_url, tokenizers, model_repository, admin_key)
         app.state.templates = ChatTemplates()
-        warmup = asyncio.create_task(_warm_up(app.state.backend, app.state.templates))
+        try:
+            await asyncio.wait_for(_warm_up(app.state.backend, app.state.templates), WARM_UP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("tokenizer warm-up took over %.0f s: serving without it", WARM_UP_TIMEOUT_S)
         yield
-        warmup.cancel()
         await app.state.backend.close()
 
     app = FastAPI(title="OpenAI-compatible API for tritonserver", lifespan=lifespan, docs_url=None,
