@@ -1,6 +1,6 @@
 """The first burst after `make serve` says ready is served as fast as a later one: nothing the server still does
 after its ready line takes the cores the requests need (the OpenAI frontend's start-up took one core for ~6 s after
-it, and 16 streams waited 5.3 s for their first token instead of 0.75 s; AMD EPYC Zen 4)."""
+it, and 16 streams waited 5.3 s for their first token instead of 0.53 s; AMD EPYC Zen 3, family 25 model 1)."""
 from __future__ import annotations
 
 import os

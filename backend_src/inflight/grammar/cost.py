@@ -1,13 +1,14 @@
 """What a grammar will cost xgrammar to compile, told from its text before compiling: cheap specs take the compile
 worker kept for them, costly ones the other, and what would cost more than any request should is refused by name.
 
-What is costly was measured (SmolLM2's 49k vocabulary, xgrammar 0.2.8, one EPYC Zen 4 core; docs/structured_output.md):
-a bounded repetition of a character class is compiled position by position against the whole vocabulary. A JSON
-string with maxLength 20 costs 0.3 s, 100 costs 1.6 s, 255 and above ~3 s (the cost stops growing there); a regex
-`[^x]{0,50}` 0.7 s, `.{0,100}` 3 s. Equal bounds are compiled once, so four strings of maxLength 255 cost what one
-does while 255, 256, 257 and 258 cost four times as much. Everything else measured (objects, enums, numbers with
-ranges, arrays with minItems/maxItems, `pattern` inside a schema, literal repetitions like `(ab|cd){60}`) costs
-milliseconds. A unit below is one position of such a repetition; one unit is roughly 13 ms on that core.
+What is costly was measured (SmolLM2's 49k vocabulary, xgrammar 0.2.8, one AMD EPYC Zen 3 core, family 25
+model 1; docs/structured_output.md): a bounded repetition of a character class is compiled position by position
+against the whole vocabulary. A JSON string with maxLength 20 costs 0.3 s, 100 costs 1.6 s, 255 and above ~3 s (the
+cost stops growing there); a regex `[^x]{0,50}` 0.7 s, `.{0,100}` 3 s. Equal bounds are compiled once, so four
+strings of maxLength 255 cost what one does while 255, 256, 257 and 258 cost four times as much. Everything else
+measured (objects, enums, numbers with ranges, arrays with minItems/maxItems, `pattern` inside a schema, literal
+repetitions like `(ab|cd){60}`) costs milliseconds. A unit below is one position of such a repetition; one unit is
+roughly 13 ms on that core.
 """
 from __future__ import annotations
 
