@@ -14,7 +14,8 @@ from inflight.grammar.compiler import GrammarCache
 from inflight.grammar.spec import from_structured_outputs
 from inflight.tokenizer import load_tokenizer
 
-# Two bounded strings with different bounds: xgrammar compiles each on its own, ~3 s each on an EPYC core.
+# Two bounded strings with different bounds, at the cost cap: xgrammar compiles each on its own, ~3 s each on an
+# AMD EPYC Zen 3 core.
 COSTLY = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 200},
                                            "b": {"type": "string", "maxLength": 199}}}
 
@@ -108,7 +109,7 @@ def test_close_ends_every_compile_and_its_processes():
 @pytest.mark.parametrize("schema, words", [
     # The review's 214-byte schema: four strings of different, large bounds (18.7 s to compile there).
     ({"type": "object", "properties": {k: {"type": "string", "maxLength": 20000 - i} for i, k in enumerate("abcd")}},
-     ["too costly to compile", "maxLength=20000 at /properties/a", "allowed at most 512"]),
+     ["too costly to compile", "maxLength=20000 at /properties/a", "allowed at most 256"]),
     ({"type": "string", "format": "email", "maxLength": 40}, ["'maxLength' at / beside 'format'", "not supported"]),
     ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, ["'minLength' at / beside 'pattern'"]),
 ])
@@ -121,7 +122,19 @@ def test_what_would_cost_too_much_or_go_unenforced_is_refused_by_name(schema, wo
 
 def test_equal_bounds_count_once_and_cheap_specs_are_told_cheap():
     same = {"type": "object", "properties": {k: {"type": "string", "maxLength": 300} for k in "abcd"}}
-    assert from_structured_outputs({"json": same}).cost.units == 256
+    assert from_structured_outputs({"json": same}).cost.units == 128
     assert from_structured_outputs({"regex": "yes|no"}).cost.is_light
     assert from_structured_outputs({"choice": ["a", "b"]}).cost.is_light
     assert not from_structured_outputs({"regex": "[a-z]{0,100}"}).cost.is_light
+
+
+def test_a_process_that_grew_past_its_memory_cap_is_replaced_after_its_compile(cache, monkeypatch):
+    from inflight.grammar import compile_pool
+    monkeypatch.setattr(compile_pool, "RECYCLE_RSS_MB", 0)  # every process is past it: replaced after each job
+    before = cache.pool.pids()["light"]
+    assert cache.request(from_structured_outputs({"regex": "grow|shrink"})).future.result(timeout=30).error is None
+    deadline = time.monotonic() + 30
+    while cache.pool.pids().get("light") in (None, before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.pool.pids().get("light") not in (None, before)
+    assert cache.request(from_structured_outputs({"regex": "again"})).future.result(timeout=30).error is None

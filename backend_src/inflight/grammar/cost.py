@@ -2,13 +2,14 @@
 worker kept for them, costly ones the other, and what would cost more than any request should is refused by name.
 
 What is costly was measured (SmolLM2's 49k vocabulary, xgrammar 0.2.8, one AMD EPYC Zen 3 core, family 25
-model 1; docs/structured_output.md): a bounded repetition of a character class is compiled position by position
-against the whole vocabulary. A JSON string with maxLength 20 costs 0.3 s, 100 costs 1.6 s, 255 and above ~3 s (the
-cost stops growing there); a regex `[^x]{0,50}` 0.7 s, `.{0,100}` 3 s. Equal bounds are compiled once, so four
-strings of maxLength 255 cost what one does while 255, 256, 257 and 258 cost four times as much. Everything else
-measured (objects, enums, numbers with ranges, arrays with minItems/maxItems, `pattern` inside a schema, literal
-repetitions like `(ab|cd){60}`) costs milliseconds. A unit below is one position of such a repetition; one unit is
-roughly 13 ms on that core.
+model 1; perf/probes/grammar_compile.py, docs/structured_output.md): a bounded repetition of a character class is
+compiled position by position against the whole vocabulary. A JSON string with maxLength 16 costs 0.15 s of CPU,
+32 0.4 s, 64 1.05 s, 128 2.5 s, and 256 or 512 ~3 s (the cost stops growing); a regex `[^x]{0,50}` 0.7 s,
+`.{0,100}` 3 s. Distinct bounds add up (eight strings of maxLength 64..71: 10.7 s; sixteen of 16..31: 4.9 s);
+equal ones are compiled once, so four strings of maxLength 255 cost what one does. Everything else measured
+(objects, enums, numbers with ranges, arrays with minItems/maxItems, `pattern` inside a schema, literal repetitions
+like `(ab|cd){60}`) costs milliseconds. A unit below is one position of such a repetition, up to PLATEAU per
+repetition: roughly 20 ms of that core each.
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from typing import Any
 from ..fields import InvalidRequestError
 from .schema_check import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES
 
-# Past this many positions a repetition costs no more (xgrammar changes how it holds it).
-PLATEAU = 256
-# At most this much cheap work goes to the worker kept for cheap compiles (about 0.2 s on the core above).
+# Past this many positions a repetition costs little more (xgrammar changes how it holds it).
+PLATEAU = 128
+# At most this much cheap work goes to the worker kept for cheap compiles (about 0.15 s on the core above).
 LIGHT_UNITS = 16
-# Refused by name above this: two plateaued repetitions, about 7 s of one core, under the default 10 s timeout.
+# Refused by name above this: two plateaued repetitions, about 6 s of one core, under the default 10 s timeout.
 MAX_UNITS = 2 * PLATEAU
 
 # A counted repetition in a regex, EBNF or Lark text: {n}, {m,}, {m,n}.
