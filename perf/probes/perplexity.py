@@ -33,10 +33,11 @@ def corpus() -> str:
     return "\n\n".join(open(p).read() for p in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
 
 
-def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
-    """Summed negative log-likelihood of ids[1:] given their prefixes, in one prefill, and the count."""
+def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Every position's logits (float32) from one prefill of ids through the engine's runner, outside the
+    scheduler: its blocks are taken and given back here."""
     engine = llm.engine
-    seq = Sequence("ppl", ids, SamplingParams(max_tokens=1), 1)
+    seq = Sequence("prompt-logits", ids, SamplingParams(max_tokens=1), 1)
     engine.block_manager.admit(seq)
     engine.block_manager.allocate(seq, len(seq))
     try:
@@ -44,12 +45,16 @@ def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
         with torch.inference_mode():
             input_ids, positions, meta, _, _ = runner.prepare([(seq, len(seq))])
             hidden = runner.forward(input_ids, positions, meta, runner.kv_caches)
-            logits = runner.model.compute_logits(hidden)[:-1]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            target = torch.tensor(ids[1:])
-            nll = -logp[torch.arange(len(target)), target].double().sum().item()
+            return runner.model.compute_logits(hidden).float()
     finally:
         engine.block_manager.free(seq)
+
+
+def window_nll(llm: LLM, ids: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of ids[1:] given their prefixes, in one prefill, and the count."""
+    logp = torch.log_softmax(prompt_logits(llm, ids)[:-1], dim=-1)
+    target = torch.tensor(ids[1:])
+    nll = -logp[torch.arange(len(target)), target].double().sum().item()
     return nll, len(ids) - 1
 
 

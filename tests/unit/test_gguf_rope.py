@@ -11,7 +11,8 @@ from gguf_files import llama3_rope_factors, write_llama_gguf
 from inflight import LLM, SamplingParams
 from inflight.model import UnsupportedModelError
 from inflight.model.config import ModelConfig
-from inflight.sequence import FinishReason, Sequence
+from inflight.sequence import FinishReason
+from perf.probes.perplexity import prompt_logits
 
 # original_max_position_embeddings is small so that tiny-llama's 8 frequencies span all three llama3 bands
 # (kept, blended, divided by factor) and the scaling shows in a short prompt.
@@ -19,22 +20,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 PROMPT = "The capital of France is a city of museums and parks, of bridges over the river and long avenues"
-
-
-def _engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Every prompt position's logits from one prefill through the engine's runner."""
-    engine = llm.engine
-    seq = Sequence("rope", ids, SamplingParams(max_tokens=1), 1)
-    engine.block_manager.admit(seq)
-    engine.block_manager.allocate(seq, len(seq))
-    try:
-        runner = engine.runner
-        with torch.inference_mode():
-            input_ids, positions, meta, _, _ = runner.prepare([(seq, len(seq))])
-            hidden = runner.forward(input_ids, positions, meta, runner.kv_caches)
-            return runner.model.compute_logits(hidden).float()
-    finally:
-        engine.block_manager.free(seq)
 
 
 def _hf_logits(folder: str, ids: list[int]) -> torch.Tensor:
@@ -50,7 +35,7 @@ def test_scaled_rope_gguf_computes_what_transformers_does(tmp_path, scaling):
     want = _hf_logits(str(reference), ids)
     # The scaling must matter here, or agreement would prove nothing: unscaled RoPE gives other logits.
     assert (_hf_logits(TINY, ids) - want).abs().max() > 1e-2
-    got = _engine_logits(gguf, ids)
+    got = prompt_logits(gguf, ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert gguf.generate([ids], greedy, use_tqdm=False)[0].token_ids == hf_greedy(str(reference), ids, 12)

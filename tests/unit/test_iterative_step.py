@@ -442,6 +442,16 @@ def test_members_draft_and_verify_like_the_in_flight_loop():
     assert_pool_whole(drafting)
 
 
+def assert_the_poller_frees_a_cancelled_idle_sequence(engine, triton, runner, params: dict, handed=None) -> None:
+    """The idle poller still runs: a last request, cancelled with no execute after it, is freed."""
+    triton.submit("idle", **params)
+    triton.execute(runner, handed)
+    triton.clients["idle"].cancelled = True
+    triton.queued.discard("idle")
+    assert wait_until(lambda: runner.num_live == 0), "the idle poller did not free the cancelled sequence"
+    assert_pool_whole(engine)
+
+
 def test_a_stop_requests_failed_final_costs_that_request_only(engine):
     """TensorRT-LLM's stop=true whose own final send raises: its targets still end CANCELLED, every other sequence
     (of another client, or handed in after it in the same execute) runs on to one final, the idle poller keeps
@@ -469,12 +479,7 @@ def test_a_stop_requests_failed_final_costs_that_request_only(engine):
         assert triton.final("stopper")[2].code == "INTERNAL"  # its one final, after the failed one
         assert_pool_whole(engine)
 
-        triton.submit("idle", **common)  # the poller still runs: a last request cancelled with no execute after
-        triton.execute(runner)
-        triton.clients["idle"].cancelled = True
-        triton.queued.discard("idle")
-        assert wait_until(lambda: runner.num_live == 0), "the idle poller did not free the cancelled sequence"
-        assert_pool_whole(engine)
+        assert_the_poller_frees_a_cancelled_idle_sequence(engine, triton, runner, common)
     finally:
         runner.close()
 
@@ -503,11 +508,6 @@ def test_ending_every_sequence_after_an_execute_error_keeps_the_idle_poller(engi
         assert reschedule == [False] and len(triton.clients["held"].sent) == sent
         assert_pool_whole(engine)
 
-        triton.submit("idle", **common)
-        triton.execute(runner, ["idle"])
-        triton.clients["idle"].cancelled = True
-        triton.queued.discard("idle")
-        assert wait_until(lambda: runner.num_live == 0), "the idle poller did not free the cancelled sequence"
-        assert_pool_whole(engine)
+        assert_the_poller_frees_a_cancelled_idle_sequence(engine, triton, runner, common, ["idle"])
     finally:
         runner.close()
