@@ -207,7 +207,8 @@ class CompilePool:
             try:
                 self._process(lane)  # (re)started before the next job comes, not while it waits
             except Exception as e:  # noqa: BLE001 - tried again with the next job, whose outcome then says why
-                log.warning("grammar compile process %s could not start: %s", lane, e)
+                if not self._closed:  # (close() kills a process that is starting: nothing to report then)
+                    log.warning("grammar compile process %s could not start: %s", lane, e)
             job = self._next(lane)
             if job is None:
                 return
