@@ -56,9 +56,14 @@ class Choices:
     def __init__(self, n: int, prefix: str = ""):
         self.all = [Accumulated(prefix) for _ in range(n)]
 
-    def add(self, deltas: list[Delta]) -> None:
-        for delta in deltas:
+    def add(self, deltas: list[Delta]) -> list[Delta]:
+        """Take one Triton response; returns its deltas for choices still open. The model repeats a finished
+        sample in every later response (an element per sample, vLLM's layout): those repeats are dropped, so each
+        choice finishes, and is counted, once."""
+        fresh = [d for d in deltas if self.all[d.index].finish_reason is None]
+        for delta in fresh:
             self.all[delta.index].add(delta)
+        return fresh
 
     @property
     def finished(self) -> bool:
@@ -107,8 +112,7 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
             # Chat with tools: each choice's text goes through its tool-call reader (content and tool_calls deltas).
             readers = [ToolStream(req.tools) for _ in range(req.n)] if req.is_chat and req.tools.active else None
             while True:
-                choices.add(step)
-                for delta in step:
+                for delta in choices.add(step):
                     head = prefix if delta.index not in echoed else ""
                     echoed.add(delta.index)
                     text = head + delta.text
