@@ -16,7 +16,8 @@ rules included) scraping the server, and reports every alert that went pending o
 Writes perf/results/soak-<name>/: report.md, samples.csv (one row per sample), requests.csv (one row per
 request), summary.json, rss.png (if matplotlib is there). Exit status 1 when any request did not get exactly
 one final, a block leaked (any engine instance), the servers' request counts disagree with the clients', the
-models are not quiescent, an alert fired, or the server did not stop cleanly.
+models are not quiescent, a process's RSS grew past --rss-growth-limit-pct after the warm-up (in a run of
+5 minutes or more), an alert fired, or the server did not stop cleanly.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from perf.soak.report import Accounting, Sample, summarize, write_outputs
+from perf.soak.report import RSS_GROWTH_LIMIT_PCT, Accounting, Sample, summarize, write_outputs
 from perf.soak.traffic import ENGINE_BOUND, MIXES, Endpoints, Traffic, finals_check
 from server_harness.container import ImageServer, podman, repository_with
 from server_harness.prometheus import run_prometheus, scrape_config
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llm")
     p.add_argument("--stub-pid", type=int, help="the model's python-backend stub, for its RSS (--grpc-url mode)")
     p.add_argument("--metrics-interval-s", type=float, default=1.0)
+    p.add_argument("--rss-growth-limit-pct", type=float, default=RSS_GROWTH_LIMIT_PCT,
+                   help="fail the run when any process's RSS grows by more than this after the warm-up "
+                        "(default %(default)s)")
     p.add_argument("--mix", type=parse_mix, default=None,
                    help="actions and weights instead of the host or image mix, e.g. ens_stream=3,ens_cancel=1 "
                         "(to find which request path grows a process)")
@@ -293,7 +297,8 @@ def soak(args, ep: Endpoints, duration: float, every: float, probe: Probe, model
     engine_bound = sum(n for a, n in traffic.counts().items() if a in ENGINE_BOUND)
     accounting = Accounting(engine_bound=engine_bound, server_finished=probe.finished_total() - before,
                             pool_per_instance=args.num_kv_blocks, kv_end=samples[-1].kv, quiescence_problems=problems)
-    summary = summarize(traffic.outcomes, samples, missing, duplicate, examples, accounting, t0, duration)
+    summary = summarize(traffic.outcomes, samples, missing, duplicate, examples, accounting, t0, duration,
+                        rss_growth_limit_pct=args.rss_growth_limit_pct)
     summary["metrics_unreachable"] = unreachable
     summary["passed"] = summary["passed"] and not unreachable
     if prom is not None:
