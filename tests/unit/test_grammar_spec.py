@@ -13,6 +13,9 @@ OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}}
 DATA = {
     "const": {"type": "object"},
     "enum": [{"type": "object"}, {"type": "object", "properties": {}}],
+}
+# Annotations holding such data: the grammar never sees them (JSON Schema says they constrain nothing).
+ANNOTATIONS = {
     "default": {"type": "object"},
     "examples": [{"type": "object"}],
 }
@@ -27,6 +30,12 @@ def closed(schema: dict) -> dict:
 def test_data_values_are_not_edited(keyword):
     schema = {"type": "object", "properties": {"v": {keyword: DATA[keyword]}}}
     assert closed(schema)["properties"]["v"] == {keyword: DATA[keyword]}
+
+
+@pytest.mark.parametrize("keyword", sorted(ANNOTATIONS))
+def test_annotations_are_left_out(keyword):
+    schema = {"type": "object", "properties": {"v": {"type": "integer", keyword: ANNOTATIONS[keyword]}}}
+    assert closed(schema)["properties"]["v"] == {"type": "integer"}
 
 
 def test_every_object_schema_is_closed_and_an_open_one_is_kept():

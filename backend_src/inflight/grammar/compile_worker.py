@@ -56,10 +56,21 @@ def _import_compiler():
     return GrammarCompiler, TokenizerInfo
 
 
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class, which lets raw control
+# characters through (a tab, U+0000-U+001F): JSON allows none in a string. Its other strings exclude them.
+_LENGTH_CHARACTERS, _JSON_CHARACTERS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(text: str, any_ws: bool) -> str:
+    """The EBNF grammar xgrammar writes for a JSON schema, its length-bounded strings without control characters."""
+    from xgrammar.grammar import Grammar
+    return str(Grammar.from_json_schema(text, any_whitespace=any_ws)).replace(_LENGTH_CHARACTERS, _JSON_CHARACTERS)
+
+
 def _compile(compiler, job: dict):
     kind, text, any_ws = job["kind"], job["text"], job["any_whitespace"]
     if kind == "json_schema":
-        return compiler.compile_json_schema(text, any_whitespace=any_ws)
+        return compiler.compile_grammar(json_schema_grammar(text, any_ws))
     if kind == "builtin_json":
         return compiler.compile_builtin_json_grammar()
     if kind == "regex":

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..fields import InvalidRequestError, Shown, refuse
 from .cost import CompileCost, check_cost, regex_cost, schema_cost
-from .schema_check import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, unsupported_keyword
+from .schema_check import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, SchemaRefused, enforceable
 
 # The spec kinds the compiler knows.
 JSON_SCHEMA, JSON_OBJECT, JSON_ANY, REGEX, CHOICE, EBNF, LARK = (
@@ -35,8 +35,9 @@ MAX_CHOICES = 256
 class GrammarSpec:
     """One constraint, as the compiler takes it; equal specs share one compiled grammar (the cache key).
 
-    text: the schema's JSON (as the client wrote it: property order matters to the output), the regex, the
-    grammar, or the choices as a JSON list. any_whitespace: JSON may carry free whitespace between tokens."""
+    text: the JSON of the schema as the grammar enforces it (grammar/schema_rewrite.py; the client's property order
+    kept: it shapes the output), the regex, the grammar, or the choices as a JSON list. any_whitespace: JSON may
+    carry free whitespace between tokens."""
     kind: str
     text: str
     any_whitespace: bool = True
@@ -49,7 +50,8 @@ class GrammarSpec:
 
 
 def _json_text(name: str, value: Any) -> str:
-    """A schema given as an object or as JSON text -> its JSON text (object key order kept)."""
+    """A schema given as an object or as JSON text -> the JSON text of what the grammar enforces of it
+    (grammar/schema_rewrite.py; property order kept)."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
@@ -59,11 +61,12 @@ def _json_text(name: str, value: Any) -> str:
         parsed = value
     if not isinstance(parsed, (dict, bool)):
         raise refuse(name, value, "a JSON schema (an object)")
-    bad = unsupported_keyword(parsed)
-    if bad is not None:
-        keyword, where, why = bad
-        raise InvalidRequestError(f"{name}: schema keyword {keyword!r} at {where or '/'} is not supported: {why}")
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    try:
+        rewritten = enforceable(parsed)
+    except SchemaRefused as e:
+        raise InvalidRequestError(f"{name}: schema keyword {e.keyword!r} at {e.where or '/'} is not supported: "
+                                  f"{e.why}") from None
+    return json.dumps(rewritten, ensure_ascii=False)
 
 
 def _choice_text(name: str, value: Any) -> str:
@@ -169,8 +172,8 @@ def _from_trtllm(guide_type: str | None, guide: str | None) -> GrammarSpec | Non
 def _closed(schema: Any) -> Any:
     """vLLM's disable_additional_properties: every object schema without additionalProperties gets false.
 
-    Only the keys that hold schemas are followed (schema_check's lists, the same walk as the keyword check, which
-    has refused `not`, `if` and the like already): const, enum, default and examples hold data, which may look like
+    Only the keys that hold schemas are followed (schema_check's lists: the schema was rewritten already, so
+    those are the only ones it has): const, enum, default and examples hold data, which may look like
     a schema but must reach the grammar as written."""
     if not isinstance(schema, dict):
         return schema  # a boolean schema
