@@ -89,6 +89,7 @@ class Field:
     inputs: tuple[str, ...] | None = None  # names declared as input tensors; None: the name and every alias
     tensor_type: str = ""  # Triton type of those inputs; "": from the kind
     openai: str = ""  # the key in OpenAI request bodies; "": not taken from them (or mapped by hand)
+    openai_hi: int | None = None  # OpenAI's own bound, where its API declares a narrower type (exclusive)
     sampling: bool = True  # a SamplingParams field; False: a serving flag (serving.contract.ParsedRequest)
     # A peer's feature we do not have: accepted only at its default (what clients send when they do not use
     # it), refused otherwise with this reason.
@@ -110,6 +111,10 @@ class Field:
     @property
     def dims(self) -> list[int]:
         return [-1] if self.kind in _LISTS else [1]
+
+    def for_openai(self) -> "Field":
+        """The field as OpenAI's API bounds it (seed is an int64 there, a uint64 for TensorRT-LLM's clients)."""
+        return self if self.openai_hi is None else dataclasses.replace(self, hi=self.openai_hi, hi_open=True)
 
     @property
     def allowed(self) -> str:
@@ -173,8 +178,8 @@ def _shown_default(default: Any) -> str:
 
 
 def _num(x: float) -> str:
-    if x == 2**64:
-        return "2^64"
+    if isinstance(x, int) and x >= 2**32 and x & (x - 1) == 0:
+        return f"2^{x.bit_length() - 1}"  # the bounds of 64-bit integer types
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
@@ -311,7 +316,7 @@ FIELDS: tuple[Field, ...] = (
     Field("min_tokens", INT, 0, "EOS and stop_token_ids cannot end the output before this many tokens", lo=0,
           aliases=("min_length",), openai="min_tokens"),
     Field("seed", INT, None, "per-request generator: the same output whatever shares the batch", lo=0, hi=2**64,
-          hi_open=True, aliases=("random_seed",), tensor_type="TYPE_UINT64", openai="seed"),
+          hi_open=True, aliases=("random_seed",), tensor_type="TYPE_UINT64", openai="seed", openai_hi=2**63),
     Field("n", INT, 1, "samples of the prompt, sharing its KV blocks", lo=1, hi=MAX_N,
           aliases=("num_return_sequences",), openai="n"),
     Field("stop", WORDS, (), "stop strings, matched on text across token boundaries, cut from the output",

@@ -10,15 +10,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from inflight.fields import BOOL, FIELDS, FLOAT, INT
+from inflight.fields import BOOL, FIELDS, FLOAT, INT, Field, InvalidRequestError
+from inflight.grammar.spec import BACKENDS
 
 from .errors import bad_request
 from .tools import ToolChoice, constraint, parse_tools
 
-# OpenAI body key -> (contract name, the JSON type it must have), from the request schema's `openai` column.
+# OpenAI body key -> its field in the request schema (the `openai` column), whose kind says the JSON type.
 # The vLLM extensions (top_k, min_p, ...) are there too: clients send them through extra_body.
 _JSON_TYPES = {INT: "integer", FLOAT: "number", BOOL: "boolean"}
-_SAMPLING_FIELDS = {f.openai: (f.name, _JSON_TYPES[f.kind]) for f in FIELDS if f.openai}
+_SAMPLING_FIELDS = {f.openai: f for f in FIELDS if f.openai}
 
 # Chat roles a template understands. "developer" is OpenAI's newer name for "system"; templates predate it.
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -56,8 +57,8 @@ def _typed(name: str, value: Any, kind: str) -> Any:
             raise bad_request(f"{name}={value!r} is not a number", name)
         return float(value)
     if kind == "integer":
-        # JSON has no integer type of its own; 5.0 is accepted as 5, 5.5 is not.
-        if not _is_number(value) or float(value) != int(value):
+        # Read exactly (a float holds 53 bits: 2^63-1 would read as 2^63); 5.0 is accepted as 5, 5.5 is not.
+        if not _is_number(value) or isinstance(value, float) and not value.is_integer():
             raise bad_request(f"{name}={value!r} is not an integer", name)
         return int(value)
     if kind == "boolean":
@@ -65,6 +66,17 @@ def _typed(name: str, value: Any, kind: str) -> Any:
             raise bad_request(f"{name}={value!r} is not a boolean", name)
         return value
     raise AssertionError(kind)
+
+
+def _in_openai_range(f: Field, name: str, value: Any) -> Any:
+    """Where OpenAI's API declares a narrower type than the model's (seed: int64), its range is checked here; the
+    rest of the range checks are the model's."""
+    if f.openai_hi is None:
+        return value
+    try:
+        return f.for_openai().parse(value, name)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), name) from None
 
 
 def _refuse_if_set(body: dict, name: str, allowed: tuple = (), why: str = "is not supported") -> None:
@@ -106,9 +118,9 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
         if body.get(name) is not None:
             req.sampling["max_tokens"] = _typed(name, body[name], "integer")
             break
-    for name, (contract, kind) in _SAMPLING_FIELDS.items():
+    for name, f in _SAMPLING_FIELDS.items():
         if body.get(name) is not None:
-            req.sampling[contract] = _typed(name, body[name], kind)
+            req.sampling[f.name] = _in_openai_range(f, name, _typed(name, body[name], _JSON_TYPES[f.kind]))
 
     structured = _structured_outputs(body)
     if structured is not None:
@@ -125,38 +137,90 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
     return req
 
 
-# vLLM's OpenAI server's older extra keys, each one kind of structured_outputs.
-_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# Other servers' keys for a constraint, each one kind of structured_outputs: vLLM's older extras, llama.cpp's
+# json_schema, SGLang's regex and ebnf (xgrammar's EBNF, as here).
+_CONSTRAINT_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                    "guided_grammar": "grammar", "json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+# Other servers' keys about constraints this server cannot honour: refused by name when set, never ignored.
+_REFUSED_KEYS = {
+    "guided_whitespace_pattern": "is not supported: allowed null (whitespace is free unless structured_outputs sets "
+                                 "disable_any_whitespace)",
+    "structural_tag": "is not supported (structural tags are not implemented)",
+    "grammar_lazy": "is not supported: the grammar applies from the first token",
+    "grammar_triggers": "is not supported: the grammar applies from the first token",
+}
+# TGI's `grammar` object: its type -> our kind.
+_TGI_GRAMMAR_TYPES = {"json": "json", "json_object": "json", "regex": "regex"}
 
 
 def _structured_outputs(body: dict) -> dict | None:
-    """response_format (OpenAI), or vLLM's structured_outputs / guided_* extras -> one structured_outputs object
-    for the model, which checks it (a bad schema comes back as a 400 naming it). Two at once are refused."""
-    found: list[tuple[str, dict]] = []
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "json_object":
-            found.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise bad_request(f"response_format.json_schema={spec!r:.80} is invalid: allowed an object with a "
-                                  "'schema' object (and 'name', 'strict')", "response_format")
-            # strict=false is enforced all the same: the grammar is the only way this server follows a schema.
-            found.append(("response_format", {"json": schema}))
-        elif kind != "text":
-            raise bad_request(f"response_format={fmt!r:.80} is not supported: allowed type text, json_object or "
-                              "json_schema", "response_format")
+    """The request's one constraint as a structured_outputs object for the model, which checks it (a bad schema
+    comes back as a 400 naming it): OpenAI's response_format, vLLM's structured_outputs, or another server's
+    field. Two at once are refused; a constraint field that cannot be honoured is refused by name."""
+    for key, why in _REFUSED_KEYS.items():
+        if body.get(key) not in (None, False, [], ""):
+            raise bad_request(f"{key}={body[key]!r:.80} {why}", key)
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in BACKENDS:
+        raise bad_request(f"guided_decoding_backend={backend!r:.80} is not supported: allowed "
+                          f"{', '.join(BACKENDS)} (this server compiles with xgrammar)", "guided_decoding_backend")
+    found: list[tuple[str, dict | None]] = []
+    if body.get("response_format") is not None:
+        found.append(("response_format", _response_format(body["response_format"])))
     if body.get("structured_outputs") is not None:
         found.append(("structured_outputs", body["structured_outputs"]))
-    for key, kind in _GUIDED_KEYS.items():
+    for key, kind in _CONSTRAINT_KEYS.items():
         if body.get(key) is not None:
             found.append((key, {kind: body[key]}))
+    if body.get("grammar") not in (None, ""):
+        found.append(("grammar", _grammar_field(body["grammar"])))
+    found = [(key, value) for key, value in found if value is not None]  # response_format text: none
     if len(found) > 1:
         raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output: give one", found[1][0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    structured = found[0][1]
+    if backend is not None and isinstance(structured, dict) and "backend" not in structured:
+        structured = {**structured, "backend": backend}
+    return structured
+
+
+def _response_format(fmt: Any) -> dict | None:
+    """OpenAI's response_format (None: text); llama.cpp's and TGI's json_object with a `schema` / `value`."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = fmt.get("schema", fmt.get("value"))
+        if schema is None:
+            return {"json_object": True}
+        if not isinstance(schema, dict):
+            raise bad_request(f"response_format.schema={schema!r:.80} is invalid: allowed a JSON schema object",
+                              "response_format")
+        return {"json": schema}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(f"response_format.json_schema={spec!r:.80} is invalid: allowed an object with a "
+                              "'schema' object (and 'name', 'strict')", "response_format")
+        # strict=false is enforced all the same: the grammar is the only way this server follows a schema.
+        return {"json": schema}
+    raise bad_request(f"response_format={fmt!r:.80} is not supported: allowed type text, json_object or "
+                      "json_schema", "response_format")
+
+
+def _grammar_field(value: Any) -> dict:
+    """`grammar`: TGI's {"type": "json" | "regex", "value": ...} is honoured; llama.cpp's GBNF text is refused:
+    GBNF and xgrammar's EBNF differ in details, so it is not taken as one for the other."""
+    if isinstance(value, dict) and value.get("type") in _TGI_GRAMMAR_TYPES and value.get("value") is not None:
+        return {_TGI_GRAMMAR_TYPES[value["type"]]: value["value"]}
+    if isinstance(value, str):
+        raise bad_request(f"grammar={value!r:.80} is not supported: llama.cpp's GBNF is not read here; allowed "
+                          "xgrammar's EBNF as structured_outputs.grammar (vLLM) or ebnf, a JSON schema as "
+                          "json_schema or response_format", "grammar")
+    raise bad_request(f"grammar={value!r:.80} is invalid: allowed {{'type': 'json' or 'regex', 'value': ...}} (TGI)",
+                      "grammar")
 
 
 def parse_completion(body: dict) -> GenerationRequest:

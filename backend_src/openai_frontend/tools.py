@@ -53,13 +53,20 @@ def constraint(choice: ToolChoice) -> dict[str, Any] | None:
         return None
     if choice.mode == "named":
         return {"json": parameters_of(choice.function(choice.name))}
-    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters_of(f)},
-              "required": ["name", "arguments"]} for f in choice.tools]
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _embedded(i, f)},
+              "required": ["name", "arguments"]} for i, f in enumerate(choice.tools)]
     schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                               "minItems": 1}
     if not choice.parallel:
         schema["maxItems"] = 1
     return {"json": schema}
+
+
+def _embedded(i: int, function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters inside the list of calls, as a resource of its own (an `$id`: JSON Schema's
+    embedded schemas), so that its references ("#/$defs/...", "#") still name its own definitions there."""
+    params = parameters_of(function)
+    return params if "$id" in params else {"$id": f"tool-{i}.json", **params}
 
 
 def tools_system_prompt(choice: ToolChoice) -> str:

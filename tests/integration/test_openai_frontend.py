@@ -8,6 +8,7 @@ max_queue_size=1, to fill the queue on purpose).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -361,3 +363,84 @@ def test_n_choices_whole_and_streamed(client):
             texts[choice.index] += choice.delta.content or ""
             finishes[choice.index] = choice.finish_reason or finishes[choice.index]
     assert all(texts) and finishes == ["length", "length"]
+
+
+# ---- other clients' habits (issue 41) ---------------------------------------------------------------------
+
+def finishes_and_texts(stream) -> tuple[collections.Counter, dict]:
+    finishes, texts = collections.Counter(), collections.defaultdict(str)
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += (c.text if hasattr(c, "text") else c.delta.content) or ""
+            if c.finish_reason:
+                finishes[c.index, c.finish_reason] += 1
+    return finishes, dict(texts)
+
+
+def ending_apart(create, **kw):
+    """A seed whose n choices end apart (one at the end of its text, one at max_tokens), and its whole response."""
+    for seed in range(1, 13):
+        whole = create(seed=seed, **kw)
+        if {c.finish_reason for c in whole.choices} == {"stop", "length"}:
+            return seed, whole
+    pytest.fail("no seed made the choices end apart")
+
+
+def test_n_streamed_choices_each_finish_once(client):
+    """Choices that end at different steps (the model repeats a finished sample in every later response)."""
+    kw = dict(model="smol", max_tokens=10, n=3, temperature=1.0)
+    prompt = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's turn: it ends early
+    seed, whole = ending_apart(client.completions.create, prompt=prompt, **kw)
+    finishes, texts = finishes_and_texts(client.completions.create(stream=True, prompt=prompt, seed=seed, **kw))
+    assert finishes == collections.Counter({(c.index, c.finish_reason): 1 for c in whole.choices})
+    assert texts == {c.index: c.text for c in whole.choices}
+    seed, whole = ending_apart(client.chat.completions.create, messages=CHAT, **kw)
+    finishes, texts = finishes_and_texts(client.chat.completions.create(stream=True, messages=CHAT, seed=seed, **kw))
+    assert finishes == collections.Counter({(c.index, c.finish_reason): 1 for c in whole.choices})
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"], "$defs": {"Unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+
+
+def test_required_tool_calls_with_defs_streamed_with_n_arrive_once_each(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    calls = collections.defaultdict(str)
+    finishes = collections.Counter()
+    for chunk in client.chat.completions.create(model="smol", messages=ask, tools=[UNIT_TOOL], tool_choice="required",
+                                                n=2, seed=3, temperature=1.0, max_tokens=120, stream=True):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                calls[c.index] += call.function.arguments or ""
+            if c.finish_reason:
+                finishes[c.index, c.finish_reason] += 1
+    assert finishes == {(0, "tool_calls"): 1, (1, "tool_calls"): 1}
+    for arguments in calls.values():
+        jsonschema.validate(json.loads(arguments), UNIT_TOOL["function"]["parameters"])
+
+
+def test_seed_is_read_as_an_exact_int64(client):
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=2, seed=2**63 - 1)
+    assert r.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, seed=2**63)
+    assert "seed=9223372036854775808 is out of range: allowed an integer in [0, 2^63)" in e.value.message
+
+
+def test_other_servers_constraint_fields_are_honoured_or_refused(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"]}
+    ask = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
+    r = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, temperature=0,
+                                       extra_body={"json_schema": schema})  # llama.cpp's field
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model="smol", prompt="Is Paris in France?", max_tokens=5, temperature=0,
+                                  extra_body={"guided_regex": "(yes|no)"})  # vLLM's
+    assert r.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=ask, max_tokens=5,
+                                       extra_body={"grammar": 'root ::= "yes" | "no"'})  # llama.cpp's GBNF
+    assert e.value.body["param"] == "grammar" and "GBNF" in e.value.message

@@ -36,7 +36,7 @@ def test_every_name_is_a_key_and_every_input_is_declared_in_the_llm_config():
 
 
 def test_openai_mapping_comes_from_the_table():
-    assert {k: v[0] for k, v in OPENAI_FIELDS.items()} == {f.openai: f.name for f in FIELDS if f.openai}
+    assert {k: v.name for k, v in OPENAI_FIELDS.items()} == {f.openai: f.name for f in FIELDS if f.openai}
 
 
 @pytest.mark.parametrize("field", [f for f in FIELDS if f.lo is not None or f.hi is not None], ids=lambda f: f.name)
