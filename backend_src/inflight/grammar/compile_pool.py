@@ -92,13 +92,15 @@ class CompileProcess:
         return reply
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                pipe.close()
-        self.proc = None
+        # Taken first: close() and the lane's own thread (a deadline) may kill the same process at once.
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            pipe.close()
 
     @property
     def is_alive(self) -> bool:
@@ -215,9 +217,12 @@ class CompilePool:
             try:
                 outcome = self._run(lane, job)
             except Exception as e:  # noqa: BLE001 - the process died or could not start: this job fails, not the lane
-                log.warning("grammar compile in lane %s failed: %s", lane, e)
                 self._kill(lane)
-                outcome = Outcome(ERROR, f"the compile process failed ({e})".encode())
+                if self._closed:  # close() killed the process under this job
+                    outcome = Outcome(CLOSED)
+                else:
+                    log.warning("grammar compile in lane %s failed: %s", lane, e)
+                    outcome = Outcome(ERROR, f"the compile process failed ({e})".encode())
             if outcome is not None:
                 self._on_outcome(job, outcome)
 

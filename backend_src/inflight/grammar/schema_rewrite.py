@@ -111,7 +111,7 @@ def _pointer(path: tuple) -> str:
 
 def _key(value: Any) -> str:
     """A value's identity under JSON equality (1 == 1.0; true != 1)."""
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer():  # novermin - float.is_integer, in every Python 3
         value = int(value)
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
@@ -121,7 +121,7 @@ def _json_type(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):  # novermin - float.is_integer
         return "integer"
     return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
 
@@ -947,7 +947,7 @@ def _list(node: dict, key: str, where: str) -> list:
 
 def _count(node: dict, key: str, where: str) -> int:
     value = node[key]
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer():  # novermin - float.is_integer, in every Python 3
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise SchemaRefused(key, where, f"{value!r}: allowed an integer >= 0")
