@@ -413,11 +413,16 @@ def test_required_tool_calls_with_defs_streamed_with_n_arrive_once_each(client):
     for chunk in client.chat.completions.create(model="smol", messages=ask, tools=[UNIT_TOOL], tool_choice="required",
                                                 n=2, seed=3, temperature=1.0, max_tokens=120, stream=True):
         for c in chunk.choices:
-            for call in c.delta.tool_calls or []:
-                calls[c.index] += call.function.arguments or ""
+            for call in c.delta.tool_calls or []:  # a choice may hold several calls: each has its index
+                calls[c.index, call.index] += call.function.arguments or ""
             if c.finish_reason:
                 finishes[c.index, c.finish_reason] += 1
     assert finishes == {(0, "tool_calls"): 1, (1, "tool_calls"): 1}
+    assert {choice for choice, _ in calls} == {0, 1}
+    # The same seeded samples unstreamed: as many calls per choice, none sent twice under another index.
+    whole = client.chat.completions.create(model="smol", messages=ask, tools=[UNIT_TOOL], tool_choice="required",
+                                           n=2, seed=3, temperature=1.0, max_tokens=120)
+    assert sorted(calls) == sorted((c.index, i) for c in whole.choices for i in range(len(c.message.tool_calls)))
     for arguments in calls.values():
         jsonschema.validate(json.loads(arguments), UNIT_TOOL["function"]["parameters"])
 
