@@ -88,6 +88,11 @@ class EngineConfig:
         "No drafts while more requests than this run: past it verification can cost more than it saves (the "
         "break-even of a low-acceptance load on this project's CPU; copy-heavy loads still gain at 16-20: "
         "docs/speculative.md). 0: never draft."))
+    speculative_draft_policy: str = setting("cost", Choices(("cost", "always")), (
+        "cost: a request drafts only as many tokens as its guesses (drafted or not) are expected to be worth the "
+        "rows they add, by the decode step costs per row count this engine measures as it runs, so text that "
+        "prompt lookup cannot guess costs next to nothing (docs/speculative.md). always: every guess is drafted "
+        "(at the per-request length that follows its acceptance)."))
 
     # Engine switches. "auto" is resolved when the model loads, per CPU or device, in one place
     # (cpu_defaults.resolve_cpu_defaults), which logs what it chose and why. docs/cpu.md has the measurements.

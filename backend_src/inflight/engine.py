@@ -226,6 +226,7 @@ class LLMEngine:
                 s for s in self.scheduler.running if s in members]
             self.scheduler.speculating = self.speculator.propose(candidates)
         sched = self.scheduler.schedule(members)
+        decode_rows = self.speculator.decode_rows(sched.scheduled) if self.speculator is not None else 0
         for _ in sched.preempted:
             self.metrics.on_preemption()
         if sched.is_empty:
@@ -278,6 +279,8 @@ class LLMEngine:
             self._update_gauges()
         timer.end_step()
         return outputs
+        if decode_rows:  # what the draft policy weighs drafts against (speculation/policy.py)
+            self.speculator.record_step(decode_rows, now - t0)
 
     def _fork_samples(self, logits, seqs: list[Sequence], tokens: list[int], logprobs: list[float]):
         """A request with n > 1 has just computed its prompt: start its other n - 1 samples now, sharing the

@@ -1,8 +1,9 @@
 """At how many running requests does speculative decoding stop paying on this CPU?
 
 The offline engine (no server) runs closed loops of b requests (each one that finishes is replaced at once) with
-drafts on every step (speculative_disable_by_batch_size out of the way) and with speculation off, on two
-workloads: the grounded task of perf.bench.spec (outputs copy from the prompt: the best case for drafts) and the
+drafts on every step (speculative_disable_by_batch_size out of the way, speculative_draft_policy always) and with
+speculation off, on two workloads: the copy-heavy tasks of perf.bench.spec (generated files the outputs copy from:
+the best case for drafts; named "grounded" here, as when the default was chosen) and the
 A/B "mixed" workload (random words, ignore_eos: the load of the c16 target). It prints tokens/s for each and their
 ratio per b; the default speculative_disable_by_batch_size is the largest b at which drafting still paid on both
 (docs/speculative.md).
@@ -51,7 +52,7 @@ def closed_loop(llm: LLM, requests: list[tuple[str, SamplingParams]], concurrenc
 def workload(name: str, tokenizer, size: int, per_slot: int) -> list[tuple[str, SamplingParams]]:
     count = max(size * per_slot, 4)
     if name == "grounded":
-        tasks = spec_tasks.grounded_tasks(tokenizer)
+        tasks = spec_tasks.copy_heavy_tasks(tokenizer)
         return [(tasks[i % len(tasks)].prompt, SamplingParams(max_tokens=tasks[i % len(tasks)].max_tokens,
                                                                 temperature=0.0)) for i in range(count)]
     mixed = ab_workloads.build("mixed", tokenizer, 0.25, count, seed=size)
@@ -72,7 +73,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
     common = dict(max_num_seqs=max(sizes), num_kv_blocks=2048, max_num_batched_tokens=512)
-    spec = dict(speculative_method="ngram", speculative_disable_by_batch_size=1 << 20)
+    spec = dict(speculative_method="ngram", speculative_disable_by_batch_size=1 << 20,
+                speculative_draft_policy="always")
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
     engines = {"off": LLM(str(MODEL), speculative_method="off", **common), "on": LLM(str(MODEL), **spec, **common)}

@@ -105,7 +105,8 @@ def test_engine_outputs_with_drafts_through_the_kernels_equal_without(tk, device
     kernel = tk.triton_paged_attention
     monkeypatch.setattr(tk, "triton_paged_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     _, want, _, _ = generate(speculative_method="off")
-    llm, got, eager, replayed = generate(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    llm, got, eager, replayed = generate(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                             speculative_draft_policy="always")
     assert got == want
     c = llm.engine.metrics.snapshot()["counters"]
     assert c["spec_decode_num_accepted_tokens"] > 0 and calls

@@ -421,7 +421,8 @@ def test_members_draft_and_verify_like_the_in_flight_loop():
     plain = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, speculative_method="off"))
     expected = reference_texts(plain, prompts)
     drafting = LLMEngine(EngineConfig(model=TINY, num_kv_blocks=64, max_num_seqs=8, speculative_method="ngram",
-                                      num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
+                                      num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                                      speculative_draft_policy="always"))  # drafts whatever they cost
     drafting.step_hook = lambda: drafting.block_manager.check_invariants(list(drafting.seqs.values()))
     triton = FakeTriton()
     runner = make(drafting, triton)

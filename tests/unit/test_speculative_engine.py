@@ -26,9 +26,10 @@ REPETITIVE = [
     f"Quote this paragraph exactly, word for word:\n\n{TEXT[:400]}\n\nQuote:",
     "Count from 1 to 40, separated by commas: 1, 2, 3,",
 ]
-# Drafts for every decode, whatever the batch: these tests are about outputs, not the break-even.
+# Drafts for every decode, whatever the batch and whatever they cost: these tests are about outputs, not the
+# break-even or the draft policy (test_speculation_policy.py; test_the_cost_policy_... below runs the default).
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
-            speculative_disable_by_batch_size=64)
+            speculative_disable_by_batch_size=64, speculative_draft_policy="always")
 OFF = dict(speculative_method="off")
 CONFIGS = {
     "ample": dict(num_kv_blocks=256, max_num_batched_tokens=2048),
@@ -200,6 +201,26 @@ def test_stop_strings_eos_limits_and_logprobs_as_without_drafts():
     assert [len(toks) for toks, *_ in summary(got)[4:]] == list(range(1, 9))
     assert summary(got)[2][2].value == "eos" and len(summary(got)[2][0]) >= 25
     assert spec_counters(engine)["num_accepted_tokens"] > 0
+
+
+def test_the_cost_policy_drafts_some_steps_and_not_others_with_the_same_outputs():
+    """The default policy (drafts only where they are expected to pay, by measured step costs) on copy-heavy
+    prompts and an open-ended one, greedy and seeded at temperature 1: some steps verify drafts, others decode
+    plainly, and every output equals the one without drafts."""
+    prompts = REPETITIVE + ["Write a short story about a fox who learns to play the violin."] * 2
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 4 + [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)]
+    want, _ = run(SMOLLM2, prompts, params, **OFF)
+    options = dict(SPEC, speculative_draft_policy="cost", speculative_disable_by_batch_size=8)
+    got, engine = run(SMOLLM2, prompts, params, **options)
+    # The same tokens, text and finish reasons. Which steps draft depends on measured times, so the row counts,
+    # and with them the linears' float32 rounding, differ from run to run: logprobs within a looser bound.
+    assert summary(got) == summary(want)
+    assert [outs[-1].cumulative_logprob for outs in got.values()] == pytest.approx(
+        [outs[-1].cumulative_logprob for outs in want.values()], rel=1e-3, abs=1e-2)
+    assert engine.speculator.costs.num_recorded > 0
+    assert spec_counters(engine)["num_accepted_tokens"] > 0
+    assert any(len(o.new_token_ids) == 1 for outs in got.values() for o in outs[1:])
 
 
 def test_a_request_may_opt_out():
