@@ -250,10 +250,13 @@ class LLMEngine:
         rendered = self._render_deferred()
         timer.lap("overlap")
         outputs = []
+        checked: list[int] = []
         if sample_seqs:
             # The constrained rows' bitmask, applied in place: sampling and logprobs see the masked distribution.
-            # (Requests with a grammar never draft, so a drafted request's rows are left as they are.)
-            self.step_mask.apply(logits, sample_seqs)
+            # On CPU the rows that can be are checked after sampling instead (`checked`; grammar/bitmask.py says
+            # when that is exact). (Requests with a grammar never draft, so a drafted request's rows are left as
+            # they are.)
+            checked = self.step_mask.apply(logits, sample_seqs, check_first=not sched.drafted)
             timer.lap("mask")
         if sched.drafted:
             outputs = self._sample_and_verify(logits, sample_seqs, rendered)
@@ -261,6 +264,10 @@ class LLMEngine:
         elif sample_seqs:
             sampled = self.sampler(logits, sample_seqs, self.eos_token_ids)
             tokens, logprobs = list(sampled.token_ids), list(sampled.logprobs)
+            if checked:
+                timer.lap("sample")
+                self.step_mask.settle(logits, sample_seqs, checked, tokens, logprobs, self.sampler, self.eos_token_ids)
+                timer.lap("mask")
             if any(not seq.forked for seq in sample_seqs):
                 logits, sample_seqs = self._fork_samples(logits, sample_seqs, tokens, logprobs)
             tops = self._top_logprobs(logits, sample_seqs, tokens)
@@ -272,6 +279,8 @@ class LLMEngine:
         self._record_prefix_stats()
         now = time.monotonic()
         self.metrics.on_step(now - t0, sched.num_batched_tokens)
+        if decode_rows:  # what the draft policy weighs drafts against (speculation/policy.py)
+            self.speculator.record_step(decode_rows, now - t0)
         # Gauges are read about once a second and cost a pass over the running requests: a busy engine
         # refreshes them every GAUGE_PERIOD_S. A step after which nothing runs refreshes them, since the next
         # step may be a long way off.
@@ -279,8 +288,6 @@ class LLMEngine:
             self._update_gauges()
         timer.end_step()
         return outputs
-        if decode_rows:  # what the draft policy weighs drafts against (speculation/policy.py)
-            self.speculator.record_step(decode_rows, now - t0)
 
     def _fork_samples(self, logits, seqs: list[Sequence], tokens: list[int], logprobs: list[float]):
         """A request with n > 1 has just computed its prompt: start its other n - 1 samples now, sharing the

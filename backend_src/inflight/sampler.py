@@ -17,6 +17,8 @@ from .sequence import Sequence
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1
+# Seeded rows drawing a second time at one output position (redraw=True) use the stream of seed ^ this key.
+_REDRAW_KEY = 0x5DEECE66DA3B1F27
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
 
 
@@ -35,12 +37,17 @@ class SamplerOutput:
     logprobs: list[float]
 
 
+def is_unprocessed(seq: Sequence) -> bool:
+    """True when the row's logits go to temperature and sampling as they are: no penalty, no ban."""
+    p = seq.params
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not seq.bad_word_ids
+            and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens or seq.grammar_must_end))
+
+
 def _is_plain_greedy(seq: Sequence) -> bool:
     """True when the row's choice is the argmax of the raw logits: nothing to process."""
-    p = seq.params
-    return (p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not seq.bad_word_ids
-            and (p.min_tokens == 0 or seq.num_output_tokens >= p.min_tokens or seq.grammar_must_end))
+    return seq.params.is_greedy and is_unprocessed(seq)
 
 
 def _has_penalty(seq: Sequence) -> bool:
@@ -191,7 +198,10 @@ class Sampler:
         self._rng = random.Random(seed)
         self.counts = TokenCounts()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],
+                 redraw: bool = False) -> SamplerOutput:
+        """redraw: the rows already drew a token at this position (which the caller refused); sampled rows draw
+        again with numbers independent of the first ones (a seeded row from a second stream of its seed)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(seqs)} sequences: "
                              f"allowed [{len(seqs)}, vocab]")
@@ -210,7 +220,7 @@ class Sampler:
         process = self._plan_process(logits, seqs, eos_token_ids, up)
         greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
-        sample = self._plan_sample([seqs[i] for i in sampled], logits.shape[1], up)
+        sample = self._plan_sample([seqs[i] for i in sampled], logits.shape[1], up, redraw)
         split = bool(greedy) and bool(sampled)
         if split:
             greedy_rows, sampled_rows = up.add(greedy, np.int64), up.add(sampled, np.int64)
@@ -235,6 +245,12 @@ class Sampler:
         token_ids[rows] = ids
         logprobs[rows] = lps
         return SamplerOutput(token_ids.tolist(), logprobs.tolist())
+
+    def uniform(self, seq: Sequence, redraw: bool = False) -> float:
+        """The number in (0, 1] the row draws its token with (see __call__ for redraw)."""
+        if seq.params.seed is not None:
+            return seeded_uniform(seq.params.seed ^ (_REDRAW_KEY if redraw else 0), seq.num_output_tokens)
+        return (self._rng.getrandbits(24) + 1) / (1 << 24)
 
     # ---- logits processing (before temperature) -------------------------------------------------
     def process(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> torch.Tensor:
@@ -286,10 +302,9 @@ class Sampler:
         return logits
 
     # ---- random sampling -------------------------------------------------------------------------
-    def _plan_sample(self, seqs: list[Sequence], vocab: int, up: _Upload) -> dict:
+    def _plan_sample(self, seqs: list[Sequence], vocab: int, up: _Upload, redraw: bool = False) -> dict:
         params = [seq.params for seq in seqs]
-        uniforms = [seeded_uniform(p.seed, seq.num_output_tokens) if p.seed is not None
-                    else (self._rng.getrandbits(24) + 1) / (1 << 24) for seq, p in zip(seqs, params)]
+        uniforms = [self.uniform(seq, redraw) for seq in seqs]
         plan = {"min_p": any(p.min_p > 0.0 for p in params),
                 "top_k": any(0 < p.top_k < vocab for p in params),
                 "top_p": any(p.top_p < 1.0 for p in params)}
