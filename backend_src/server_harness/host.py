@@ -26,12 +26,13 @@ def rss_mb(pid: int | None) -> float | None:
     return status_mb(pid, "VmRSS")
 
 
-def status_mb(pid: int | None, field: str) -> float | None:
-    """A memory field of /proc/<pid>/status (VmRSS, RssAnon, ...) in MB, or None when the process is gone."""
+def status_mb(pid: int | None, field: str, table: str = "status") -> float | None:
+    """A memory field of /proc/<pid>/<table> (status: VmRSS, RssAnon, ...; smaps_rollup: Pss, ...) in MB, or None
+    when the process is gone."""
     if pid is None:
         return None
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/{table}") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024

@@ -34,22 +34,19 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer
 
 from perf.ab import workloads as ab_workloads
 from perf.bench import spec_tasks
 from perf.peers import cpu_peer
-from perf.peers.stream_clients import Result
+from perf.peers.stream_clients import Result, TritonStream
 from server_harness.host import cpu_model_name, cpuinfo_field
 from server_harness.quiescence import scrape
 from server_harness.repository import make_model_repository
@@ -74,26 +71,13 @@ class TextResult(Result):
     text: str = ""
 
 
-class TextStream:
+class TextStream(TritonStream):
     """One model over gRPC streaming, keeping the text and taking a temperature and seed; one connection and
     stream per calling thread (the c16 clients share it)."""
 
     def __init__(self, url: str, model: str):
-        self.url, self.name = url, model
-        self._local = threading.local()
-        self._ids = iter(range(1 << 62))
-        self._clients: list = []
-
-    def _conn(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            inbox: queue.Queue = queue.Queue()
-            client = grpcclient.InferenceServerClient(self.url)
-            client.start_stream(callback=lambda result=None, error=None: inbox.put((time.perf_counter(), result,
-                                                                                   error)))
-            conn = self._local.conn = (client, inbox)
-            self._clients.append(client)
-        return conn
+        super().__init__(url, model)
+        self.name = model
 
     def stream(self, prompt: str, max_tokens: int, ignore_eos: bool = True, temperature: float = 0.0,
                seed: int | None = None) -> TextResult:
@@ -118,13 +102,6 @@ class TextStream:
             if final is not None and final.bool_param:
                 res.text = b"".join(chunks).decode("utf-8", errors="replace")
                 return res
-
-    def close(self) -> None:
-        for client in self._clients:
-            client.stop_stream()
-            client.close()
-        self._clients.clear()
-
 
 def decode_time(result: Result) -> tuple[float, int]:
     """(seconds from the first token to the last, tokens after the first): the prompt's prefill is not in it."""

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from server_harness.host import status_mb
 from server_harness.process import STUB_NAME
 from server_harness.stub_watch import STUB_ARG_INSTANCE
 
@@ -62,17 +63,6 @@ def parent_table() -> dict[int, int]:
     return table
 
 
-def _kb_field(path: str, field: str) -> float | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _name(pid: int) -> str:
     """The program's name; a python-backend stub by its Triton instance name (llm_0_0)."""
     try:
@@ -89,10 +79,10 @@ def _name(pid: int) -> str:
 
 
 def read_process(pid: int) -> ProcessMemory | None:
-    rss = _kb_field(f"/proc/{pid}/status", "VmRSS")
+    rss = status_mb(pid, "VmRSS")
     if rss is None:  # gone, or a kernel thread
         return None
-    return ProcessMemory(pid, _name(pid), rss, _kb_field(f"/proc/{pid}/smaps_rollup", "Pss"))
+    return ProcessMemory(pid, _name(pid), rss, status_mb(pid, "Pss", "smaps_rollup"))
 
 
 def measure_side(root: int) -> dict:
