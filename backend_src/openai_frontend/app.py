@@ -1,7 +1,10 @@
-"""FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions (streaming and not), /health."""
+"""FastAPI routes: /v1/models, /v1/completions, /v1/chat/completions (streaming and not), /health, and vLLM's
+/tokenize, /detokenize and /version."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.metadata
 import json
 import logging
 import time
@@ -12,15 +15,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inflight.config import EngineConfig
+
 from .chat import ChatTemplates
 from .errors import APIError, bad_request
-from .protocol import GenerationRequest, parse_chat, parse_completion
+from .protocol import GenerationRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .responses import DONE, ResponseBuilder, sse, usage
 from .triton_client import TritonBackend
 from .tools import ToolStream, finish_reason, parse_output
 from .triton_io import Delta, openai_finish_reason
 
 log = logging.getLogger(__name__)
+
+# The engine's max_model_len for a model whose config does not set it.
+DEFAULT_MAX_MODEL_LEN = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_model_len")
 
 
 class ClientGone(Exception):
@@ -155,12 +163,30 @@ def _whole_choice(req: GenerationRequest, c: "Accumulated") -> tuple[str | None,
     return content, finish_reason(reason, calls), calls
 
 
-async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]) -> Response:
+async def _json_body(request: Request) -> Any:
     try:
-        body = await request.json()
+        return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
-    req = parse(body)
+
+
+def _max_model_len(info: Any) -> int:
+    """The model's max_model_len parameter, else the engine's default for it."""
+    try:
+        return int(info.parameters.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+    except ValueError:
+        return DEFAULT_MAX_MODEL_LEN
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("inflight-triton")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]) -> Response:
+    req = parse(await _json_body(request))
     backend: TritonBackend = request.app.state.backend
     info = await backend.model(req.model)
     if req.is_chat:
@@ -248,6 +274,33 @@ def create_app(triton_url: str, tokenizers: dict[str, str] | None = None,
     async def health(request: Request) -> Response:
         ready = await request.app.state.backend.is_ready()
         return Response(status_code=200 if ready else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_tokenize(await _json_body(request))
+        info = await request.app.state.backend.model(req.model)
+        templates: ChatTemplates = request.app.state.templates
+
+        def work() -> list[int]:
+            text = req.prompt
+            if text is None:
+                text = templates.render(info.name, info.tokenizer_dir, req.messages, req.tools,
+                                        req.chat_template_kwargs, req.add_generation_prompt)
+            return templates.encode(info.name, info.tokenizer_dir, text)
+
+        ids = await asyncio.to_thread(work)
+        return {"count": len(ids), "max_model_len": _max_model_len(info), "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        model, ids = parse_detokenize(await _json_body(request))
+        info = await request.app.state.backend.model(model)
+        templates: ChatTemplates = request.app.state.templates
+        return {"prompt": await asyncio.to_thread(templates.decode, info.name, info.tokenizer_dir, ids)}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:

@@ -32,8 +32,33 @@ class ChatTemplates:
     def preload(self, path: str) -> None:
         self._tokenizer(path)
 
+    def tokenizer(self, model: str, tokenizer_dir: str | None) -> Any:
+        """The model's tokenizer (blocking on first use); 400 when its folder is unknown."""
+        if tokenizer_dir is None:
+            raise APIError(400, f"model {model!r} has no tokenizer folder known to this server: start the frontend "
+                                f"with --tokenizer {model}=DIR", param="model", code="no_tokenizer")
+        return self._tokenizer(tokenizer_dir)
+
+    def encode(self, model: str, tokenizer_dir: str | None, text: str) -> list[int]:
+        """The token ids the engine makes of `text` sent as a prompt (inflight/prompt.py): the tokenizer's special
+        tokens are added unless the text already begins with the BOS token (a rendered chat template)."""
+        tok = self.tokenizer(model, tokenizer_dir)
+        bos = getattr(tok, "bos_token", None)
+        return list(tok.encode(text, add_special_tokens=not (bos and text.startswith(bos))))
+
+    def decode(self, model: str, tokenizer_dir: str | None, ids: list[int]) -> str:
+        """`ids` as text, special tokens included (vLLM's /detokenize); each id must be in the vocabulary."""
+        tok = self.tokenizer(model, tokenizer_dir)
+        vocab = len(tok)
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise bad_request(f"tokens[{i}]={t} is out of range: allowed a token id in [0, {vocab}) "
+                                  f"(the vocabulary of {model!r})", "tokens")
+        return tok.decode(ids)
+
     def render(self, model: str, tokenizer_dir: str | None, messages: list[dict[str, Any]],
-               tools: ToolChoice | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+               tools: ToolChoice | None = None, template_kwargs: dict[str, Any] | None = None,
+               add_generation_prompt: bool = True) -> str:
         """Blocking (first call loads the tokenizer): call it from a worker thread. template_kwargs: variables the
         template reads beyond the messages (the request's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if tokenizer_dir is None:
@@ -54,7 +79,7 @@ class ChatTemplates:
             else:
                 messages = hermes_messages(messages, tools if tools is not None and tools.active else None)
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            **{**(template_kwargs or {}), **kwargs})
         except Exception as e:  # noqa: BLE001 - templates raise their own errors for message orders they refuse
             raise bad_request(f"the chat template of {model!r} refused these messages: {e}", "messages") from e

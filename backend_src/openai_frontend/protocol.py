@@ -87,11 +87,7 @@ def _refuse_if_set(body: dict, name: str, allowed: tuple = (), why: str = "is no
 
 
 def _common(body: dict, is_chat: bool) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request(f"model={model!r} must be a non-empty string naming a served model", "model")
+    model = _model_name(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -278,11 +274,11 @@ def _history_calls(i: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat(body: dict) -> GenerationRequest:
-    req = _common(body, is_chat=True)
-    messages = body.get("messages")
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> what the chat template reads (roles mapped, text parts joined, tool calls checked)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}] is not an object", "messages")
@@ -291,8 +287,8 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise bad_request(f"messages[{i}]: the legacy function-calling messages are not supported: allowed "
                               "tool_calls and role 'tool'", "messages")
         if role == "tool":
-            req.messages.append({"role": "tool", "content": _message_text(i, msg.get("content")),
-                                 "tool_call_id": msg.get("tool_call_id")})
+            out.append({"role": "tool", "content": _message_text(i, msg.get("content")),
+                        "tool_call_id": msg.get("tool_call_id")})
             continue
         if role not in _CHAT_ROLES:
             raise bad_request(f"messages[{i}].role={role!r} is not one of {sorted(_CHAT_ROLES) + ['tool']}",
@@ -303,7 +299,25 @@ def parse_chat(body: dict) -> GenerationRequest:
                                  _message_text(i, content)}
         if role == "assistant" and msg.get("tool_calls"):
             entry["tool_calls"] = _history_calls(i, msg["tool_calls"])
-        req.messages.append(entry)
+        out.append(entry)
+    return out
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs={kwargs!r:.80} must be an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(set(kwargs or {}) & {"conversation", "messages", "tokenize", "add_generation_prompt", "tools"})
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved}: the frontend sets them",
+                          "chat_template_kwargs")
+    return dict(kwargs or {})
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    req = _common(body, is_chat=True)
+    req.messages = _parse_messages(body.get("messages"))
     _refuse_if_set(body, "functions", allowed=([],), why="is not supported: use tools")
     _refuse_if_set(body, "function_call", allowed=("none",), why="is not supported: use tool_choice")
     req.tools = parse_tools(body)
@@ -313,15 +327,7 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise bad_request(f"tool_choice={body.get('tool_choice')!r:.80} and response_format both constrain the "
                               "output: give one", "tool_choice")
         req.sampling["structured_outputs"] = forced
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs={kwargs!r:.80} must be an object of template variables",
-                          "chat_template_kwargs")
-    reserved = sorted(set(kwargs or {}) & {"conversation", "messages", "tokenize", "add_generation_prompt", "tools"})
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {reserved}: the frontend sets them",
-                          "chat_template_kwargs")
-    req.chat_template_kwargs = dict(kwargs or {})
+    req.chat_template_kwargs = _template_kwargs(body)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")
@@ -330,3 +336,59 @@ def parse_chat(body: dict) -> GenerationRequest:
     if body.get("logprobs") or body.get("top_logprobs") is not None:
         raise bad_request("logprobs is not supported: the model reports only a cumulative logprob", "logprobs")
     return req
+
+
+def _model_name(body: Any) -> str:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"model={model!r} must be a non-empty string naming a served model", "model")
+    return model
+
+
+@dataclass
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolChoice = field(default_factory=ToolChoice)
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    req = TokenizeRequest(model=_model_name(body))
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise bad_request("prompt and messages were both given: allowed one of them", "prompt")
+        req.messages = _parse_messages(body["messages"])
+        add = body.get("add_generation_prompt", True)
+        if not isinstance(add, bool):
+            raise bad_request(f"add_generation_prompt={add!r} is not a boolean", "add_generation_prompt")
+        req.add_generation_prompt = add
+        req.chat_template_kwargs = _template_kwargs(body)
+        req.tools = parse_tools(body)
+        return req
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("prompt or messages is required", "prompt")
+    if not isinstance(prompt, str):
+        raise bad_request(f"prompt={prompt!r:.80} is not a string: allowed a string, or messages", "prompt")
+    req.prompt = prompt
+    return req
+
+
+def parse_detokenize(body: Any) -> tuple[str, list[int]]:
+    """(model, token ids); each id an integer (its range is the tokenizer's, checked where it is loaded)."""
+    model = _model_name(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise bad_request(f"tokens={tokens!r:.80} is not a list: allowed a list of token ids", "tokens")
+    ids = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad_request(f"tokens[{i}]={t!r:.40} is not an integer: allowed a token id", "tokens")
+        ids.append(t)
+    return model, ids

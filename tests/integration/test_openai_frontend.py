@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.metadata
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -92,6 +94,53 @@ def test_models_lists_contract_models_and_unknown_is_404(client):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=CHAT, stream=True)
+
+
+# ---- vLLM's utility endpoints (issue 41) -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack[1].base_url, timeout=120) as h:
+        yield h
+
+
+def test_tokenize_counts_what_generation_bills_and_detokenize_inverts_it(client, http):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    t = http.post("/tokenize", json={"model": "smol", "prompt": prompt})
+    assert t.status_code == 200, t.text
+    t = t.json()
+    assert set(t) == {"count", "max_model_len", "tokens"} and t["max_model_len"] == 2048
+    assert t["count"] == len(t["tokens"]) == client.completions.create(
+        model="smol", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert http.post("/detokenize", json={"model": "smol", "tokens": t["tokens"]}).json() == {"prompt": prompt}
+    chat = http.post("/tokenize", json={"model": "smol", "messages": CHAT}).json()
+    assert chat["count"] == len(chat["tokens"]) == client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=1).usage.prompt_tokens
+    bare = http.post("/tokenize", json={"model": "smol", "messages": CHAT, "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize("path,body,status,param,needles", [
+    ("/detokenize", {"model": "smol", "tokens": [1, "a"]}, 400, "tokens", ["tokens[1]='a'", "integer"]),
+    ("/detokenize", {"model": "smol", "tokens": [1, 10**9]}, 400, "tokens", ["tokens[1]=1000000000", "[0, 49152)"]),
+    ("/detokenize", {"model": "smol", "tokens": [-1]}, 400, "tokens", ["tokens[0]=-1", "[0, 49152)"]),
+    ("/detokenize", {"model": "smol", "tokens": "1 2"}, 400, "tokens", ["tokens='1 2'", "list"]),
+    ("/tokenize", {"model": "smol"}, 400, "prompt", ["prompt", "messages"]),
+    ("/tokenize", {"model": "smol", "prompt": 5}, 400, "prompt", ["prompt=5", "string"]),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model", ["'nope'"]),
+    ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model", ["'nope'"]),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_by_name(http, path, body, status, param, needles):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert all(n in err["message"] for n in needles) and err["param"] == param, err
+
+
+def test_version_and_health_as_vllm(http):
+    assert http.get("/version").json() == {"version": importlib.metadata.version("inflight-triton")}
+    r = http.get("/health")
+    assert r.status_code == 200 and r.content == b""
 
 
 # ---- completions ---------------------------------------------------------------------------------
