@@ -23,7 +23,7 @@ from .protocol import GenerationRequest, parse_chat, parse_completion, parse_det
 from .responses import DONE, ResponseBuilder, sse, usage
 from .triton_client import TritonBackend
 from .tools import ToolStream, finish_reason, parse_output
-from .triton_io import Delta, openai_finish_reason
+from .triton_io import Delta, TokenLogprob, openai_finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,13 @@ class Accumulated:
         self.finish_reason: str | None = None
         self.num_input: int | None = None
         self.num_output: int | None = None
+        self.logprobs: list[TokenLogprob] | None = None  # every token's, when the request asked for logprobs
+        self.offset = 0  # characters of the tokens before this delta's (completions' text_offset)
 
     def add(self, delta: Delta) -> None:
         self.parts.append(delta.text)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.num_input = delta.num_input_tokens if delta.num_input_tokens is not None else self.num_input
         if delta.num_output_tokens is not None:
@@ -124,13 +128,17 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
                     head = prefix if delta.index not in echoed else ""
                     echoed.add(delta.index)
                     text = head + delta.text
+                    choice = choices.all[delta.index]
+                    logprobs = builder.logprobs(delta.logprobs, choice.offset)
+                    choice.offset += sum(len(t.token) for t in delta.logprobs or [])
                     if readers is not None:
                         for chunk in _tool_chunks(builder, readers[delta.index], text, delta):
                             yield sse(chunk)
                     elif delta.finish_reason:
-                        yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index))
-                    elif text:
-                        yield sse(builder.chunk(text, index=delta.index))
+                        yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index,
+                                                logprobs))
+                    elif text or logprobs is not None and delta.logprobs:
+                        yield sse(builder.chunk(text, index=delta.index, logprobs=logprobs))
                 if choices.finished:
                     if req.include_usage:
                         yield sse(builder.usage_chunk(choices.usage()))
@@ -189,6 +197,9 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
     req = parse(await _json_body(request))
     backend: TritonBackend = request.app.state.backend
     info = await backend.model(req.model)
+    if req.logprobs is not None and not {"logprobs", "output_ids"} <= info.outputs:
+        raise bad_request(f"model {info.name!r} does not return per-token logprobs (its config has no 'logprobs' "
+                          "and 'output_ids' outputs): allowed logprobs unset", "logprobs")
     if req.is_chat:
         templates: ChatTemplates = request.app.state.templates
         req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages,
@@ -211,7 +222,8 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
             return choices
 
         choices = await _unless_disconnected(request, collect())
-        return JSONResponse(builder.full([_whole_choice(req, c) for c in choices.all], choices.usage()))
+        return JSONResponse(builder.full([_whole_choice(req, c) for c in choices.all], choices.usage(),
+                                         [c.logprobs or [] for c in choices.all]))
     except ClientGone:
         log.info("client left %s before its answer; request cancelled", builder.id)
         return Response(status_code=499)

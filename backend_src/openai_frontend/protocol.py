@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from inflight.fields import BOOL, FIELDS, FLOAT, INT, Field, InvalidRequestError
+from inflight.fields import BOOL, BY_NAME, FIELDS, FLOAT, INT, Field, InvalidRequestError
 from inflight.grammar.spec import BACKENDS
 
 from .errors import bad_request
@@ -38,6 +38,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    # How many most likely tokens to list per output token when the request asked for logprobs (completions'
+    # `logprobs`, chat's `top_logprobs`); None: no logprobs.
+    logprobs: int | None = None
     # Contract names -> values, only for what the client set, so the model's own defaults apply otherwise
     # (max_tokens above all: OpenAI's legacy default of 16 would silently truncate).
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +80,18 @@ def _in_openai_range(f: Field, name: str, value: Any) -> Any:
         return f.for_openai().parse(value, name)
     except InvalidRequestError as e:
         raise bad_request(str(e), name) from None
+
+
+def _ask_logprobs(req: GenerationRequest, name: str, value: Any) -> None:
+    """Ask the model for its per-token logprobs with `value` alternatives each (the range is the model's field's,
+    [0, 20] as vLLM's default max_logprobs, checked here to name the client's own field), and for the sampled ids
+    they belong to."""
+    try:
+        value = BY_NAME["logprobs"].parse(_typed(name, value, "integer"), name)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), name) from None
+    req.logprobs = value
+    req.sampling.update(logprobs=value, return_logprobs=True, return_output_ids=True)
 
 
 def _refuse_if_set(body: dict, name: str, allowed: tuple = (), why: str = "is not supported") -> None:
@@ -233,7 +248,11 @@ def parse_completion(body: dict) -> GenerationRequest:
     if not isinstance(echo, bool):
         raise bad_request(f"echo={echo!r} is not a boolean", "echo")
     req.echo = echo
-    _refuse_if_set(body, "logprobs", why="is not supported: the model reports only a cumulative logprob")
+    if body.get("logprobs") is not None:
+        if echo:
+            raise bad_request("logprobs with echo=true is not supported: the model reports no logprobs for the "
+                              "prompt's tokens; allowed logprobs without echo", "logprobs")
+        _ask_logprobs(req, "logprobs", body["logprobs"])
     _refuse_if_set(body, "suffix", allowed=("",), why="is not supported (no fill-in-the-middle)")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
@@ -333,8 +352,16 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")
     for name in ("audio", "prediction", "web_search_options"):
         _refuse_if_set(body, name)
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise bad_request("logprobs is not supported: the model reports only a cumulative logprob", "logprobs")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request(f"logprobs={logprobs!r:.80} is not a boolean", "logprobs")
+    if logprobs:
+        if req.tools.active:
+            raise bad_request("logprobs with tools is not supported: allowed logprobs without tools", "logprobs")
+        _ask_logprobs(req, "top_logprobs", 0 if top is None else top)
+    elif top not in (None, 0):
+        raise bad_request(f"top_logprobs={top!r:.80} needs logprobs=true: allowed top_logprobs only with logprobs "
+                          "true", "top_logprobs")
     return req
 
 

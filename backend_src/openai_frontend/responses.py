@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from .protocol import GenerationRequest
+from .triton_io import TokenLogprob
 
 DONE = "data: [DONE]\n\n"
 
@@ -19,6 +20,29 @@ def sse(obj: dict[str, Any]) -> str:
 def usage(num_input: int | None, num_output: int | None) -> dict[str, int]:
     p, c = num_input or 0, num_output or 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _top(t: TokenLogprob, n: int) -> list[tuple[str, float]]:
+    return [(text, lp) for text, lp, rank in t.top if rank <= n][:n]
+
+
+def chat_logprobs(tokens: list[TokenLogprob], n: int) -> dict[str, Any]:
+    """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and the n most likely tokens of its step."""
+    def entry(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(x, lp) for x, lp in _top(t, n)]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob], n: int, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions shape; top_logprobs also holds the sampled token when it is not among the n
+    (so up to n + 1 entries, as OpenAI's and vLLM's); text_offset counts characters from `offset`."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{**dict(_top(t, n)), t.token: t.logprob} for t in tokens], "text_offset": offsets}
 
 
 class ResponseBuilder:
@@ -43,13 +67,22 @@ class ResponseBuilder:
         return {**self._stream_head(), "choices": [
             {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None = None, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.req.is_chat:
             delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._stream_head(), "choices": [choice]}
+
+    def logprobs(self, tokens: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """The request's logprobs block for these tokens (None when it asked for none)."""
+        if self.req.logprobs is None or tokens is None:
+            return None
+        if self.req.is_chat:
+            return chat_logprobs(tokens, self.req.logprobs)
+        return completion_logprobs(tokens, self.req.logprobs, offset)
 
     def delta_chunk(self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         """A chat chunk with any delta (content, tool_calls)."""
@@ -59,16 +92,17 @@ class ResponseBuilder:
     def usage_chunk(self, usage_block: dict[str, int]) -> dict[str, Any]:
         return {**self._stream_head(), "choices": [], "usage": usage_block}
 
-    def full(self, choices: list[tuple[str | None, str, list[dict[str, Any]]]],
-             usage_block: dict[str, int]) -> dict[str, Any]:
-        """choices: (text, finish reason, tool calls) per sample, in index order."""
+    def full(self, choices: list[tuple[str | None, str, list[dict[str, Any]]]], usage_block: dict[str, Any],
+             logprobs: list[list[TokenLogprob] | None] | None = None) -> dict[str, Any]:
+        """choices: (text, finish reason, tool calls) per sample, in index order; logprobs: each one's tokens."""
+        blocks = [self.logprobs(lps) for lps in logprobs] if logprobs else [None] * len(choices)
         if self.req.is_chat:
             body = [{"index": i, "message": {"role": "assistant", "content": text,
                                              **({"tool_calls": calls} if calls else {})},
-                     "logprobs": None, "finish_reason": reason} for i, (text, reason, calls) in enumerate(choices)]
+                     "logprobs": blocks[i], "finish_reason": reason} for i, (text, reason, calls) in enumerate(choices)]
             head = self._head("chat.completion")
         else:
-            body = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            body = [{"index": i, "text": text, "logprobs": blocks[i], "finish_reason": reason}
                     for i, (text, reason, _) in enumerate(choices)]
             head = self._head("text_completion")
         return {**head, "choices": body, "usage": usage_block}

@@ -121,6 +121,20 @@ def make_infer_inputs(tensors: dict[str, np.ndarray], info: ModelInfo) -> list:
     return out
 
 
+# A -inf log-probability (a token the model rules out) is not JSON; vLLM's frontend sends this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class TokenLogprob:
+    """One output token's log-probability and the most likely tokens at its step (from the model's `logprobs`
+    output, whose values are the engine's: the model's raw distribution, as vLLM's)."""
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[str, float, int]]  # (text, logprob, rank), most likely first; may end with the sampled token
+
+
 @dataclass
 class Delta:
     """One streamed response of the model: new text, and on the final one why it finished and the counts."""
@@ -129,6 +143,28 @@ class Delta:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     index: int = 0  # which of the request's n samples (OpenAI's choice index)
+    logprobs: list[TokenLogprob] | None = None  # this response's tokens, when the request asked for logprobs
+
+
+def _floor(lp: Any) -> float:
+    return max(float(lp), LOGPROB_FLOOR)
+
+
+def token_logprobs(ids: list[int], steps: Any) -> list[TokenLogprob]:
+    """The model's logprobs JSON for one sample's tokens in one response (vLLM's layout: per token, {token id:
+    {"logprob", "rank", "decoded_token"}} for the top ones and the sampled one) with the sampled ids (output_ids)."""
+    if not isinstance(steps, list) or len(steps) != len(ids):
+        raise APIError(500, f"the model sent logprobs for {len(steps) if isinstance(steps, list) else steps!r} "
+                            f"tokens and {len(ids)} token ids", code="internal_error")
+    out = []
+    for tid, step in zip(ids, steps):
+        entries = sorted(((int(k), v) for k, v in step.items()), key=lambda kv: kv[1]["rank"])
+        chosen = step.get(str(tid))
+        if chosen is None:
+            raise APIError(500, f"the model's logprobs lack its sampled token {tid}", code="internal_error")
+        out.append(TokenLogprob(tid, chosen["decoded_token"], _floor(chosen["logprob"]),
+                                [(v["decoded_token"], _floor(v["logprob"]), int(v["rank"])) for _, v in entries]))
+    return out
 
 
 def parse_response(get: Any) -> list[Delta]:
@@ -142,14 +178,22 @@ def parse_response(get: Any) -> list[Delta]:
         return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
     texts, reasons, n_out = column("text_output"), column("finish_reason"), column("num_output_tokens")
-    n_in = column("num_input_tokens")
-    deltas = []
+    n_in, logprobs, ids = column("num_input_tokens"), column("logprobs"), [int(t) for t in column("output_ids")]
+    deltas, start = [], 0
     for i, t in enumerate(texts or [b""]):
         # vLLM's convention, which our models follow: finish_reason "None" until that sample finishes.
         reason = text(reasons[i]) if i < len(reasons) else None
-        deltas.append(Delta(text=text(t), finish_reason=None if reason in (None, "", "None") else reason,
-                            num_input_tokens=int(n_in[0]) if n_in else None,
-                            num_output_tokens=int(n_out[i]) if i < len(n_out) else None, index=i))
+        delta = Delta(text=text(t), finish_reason=None if reason in (None, "", "None") else reason,
+                      num_input_tokens=int(n_in[0]) if n_in else None,
+                      num_output_tokens=int(n_out[i]) if i < len(n_out) else None, index=i)
+        # output_ids holds every sample's tokens of this response one after the other; num_output_tokens splits it.
+        count = delta.num_output_tokens or 0
+        if i < len(logprobs):
+            steps = json.loads(text(logprobs[i]))
+            if steps is not None:
+                delta.logprobs = token_logprobs(ids[start:start + count], steps)
+        start += count
+        deltas.append(delta)
     return deltas
 
 

@@ -213,6 +213,75 @@ def test_seed_makes_sampling_repeatable(client):
     assert a == b and a != c
 
 
+# ---- logprobs (issue 41) ----------------------------------------------------------------------------------
+
+def check_top_sorted(pairs):
+    values = [lp for _, lp in pairs]
+    assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+
+
+def test_completion_logprobs_greedy_whole_and_streamed(client):
+    kw = dict(model="smol", prompt="The history of the Roman Empire began", max_tokens=8, logprobs=3, **greedy())
+    r = client.completions.create(**kw)
+    choice, n = r.choices[0], r.usage.completion_tokens
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n == 8
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and top[token] == logprob == max(top.values())  # greedy: the chosen token is the top
+        check_top_sorted(top.items())
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [t for s in streamed if s for t in s.tokens] == lp.tokens
+    assert [t for s in streamed if s for t in s.token_logprobs] == lp.token_logprobs
+    assert [t for s in streamed if s for t in s.text_offset] == lp.text_offset
+    assert client.completions.create(model="smol", prompt="x", max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_sampled_token_is_always_listed(client):
+    r = client.completions.create(model="smol", prompt="Once upon a time", max_tokens=12, logprobs=1, temperature=1.5,
+                                  seed=7, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob <= 0 and 1 <= len(top) <= 2  # the top one, and the sampled one when not it
+
+
+def test_chat_logprobs_greedy_whole_and_streamed(client):
+    kw = dict(model="smol", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2, **greedy())
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert c.bytes == list(c.token.encode("utf-8")) and c.logprob <= 0
+        assert len(c.top_logprobs) == 2 and (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob)
+        check_top_sorted([(t.token, t.logprob) for t in c.top_logprobs])
+        assert all(t.bytes == list(t.token.encode("utf-8")) for t in c.top_logprobs)
+    streamed = [x for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob, len(c.top_logprobs)) for c in streamed] == \
+        [(c.token, c.logprob, len(c.top_logprobs)) for c in content]
+    plain = client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(model="smol", messages=CHAT, max_tokens=2).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("chat,kwargs,needles", [
+    (False, {"logprobs": 21}, ["logprobs=21", "[0, 20]"]),
+    (False, {"logprobs": -1}, ["logprobs=-1", "[0, 20]"]),
+    (True, {"logprobs": True, "top_logprobs": 21}, ["top_logprobs=21", "[0, 20]"]),
+    (True, {"top_logprobs": 2}, ["top_logprobs", "logprobs"]),
+])
+def test_logprobs_out_of_range_are_400(client, chat, kwargs, needles):
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model="smol", messages=CHAT, max_tokens=2, **kwargs)
+        else:
+            client.completions.create(model="smol", prompt="x", max_tokens=2, **kwargs)
+    assert all(n in e.value.message for n in needles), e.value.message
+    assert e.value.body["param"] == ("top_logprobs" if "top_logprobs" in kwargs else "logprobs")
+
+
 # ---- chat ---------------------------------------------------------------------------------------
 
 def test_chat_uses_the_models_template(stack, client):
@@ -275,7 +344,7 @@ def test_concurrent_async_requests_all_answered(client, aclient_url):
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 100000}, "max_model_len"),
     ({"n": 100}, "n=100"),  # n itself is supported, up to 16
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 21}, "logprobs=21"),
 ])
 def test_bad_completion_parameters_are_400(client, kwargs, needle):
     for stream in (False, True):

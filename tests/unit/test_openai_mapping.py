@@ -66,7 +66,9 @@ def test_sampling_fields_map_to_contract_names_and_types():
     ({"max_tokens": True}, "max_tokens"),
     ({"stop": [1, 2]}, "stop"),
     ({"n": 2.5}, "n"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # vLLM's max_logprobs, 20
+    ({"logprobs": 1.5}, "logprobs"),
+    ({"logprobs": 1, "echo": True}, "logprobs"),  # the prompt's logprobs are not reported
     ({"best_of": 3}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
@@ -100,7 +102,9 @@ def test_chat_messages_text_parts_joined_and_developer_is_system():
     {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
     {"messages": [{"role": "wizard", "content": "x"}]},
     {"messages": []},
-    {"logprobs": True},
+    {"logprobs": True, "top_logprobs": 21},
+    {"top_logprobs": 3},  # without logprobs: true
+    {"logprobs": 1},  # chat's is a boolean
     {"functions": [{"name": "f"}]},
     {"response_format": {"type": "xml"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
