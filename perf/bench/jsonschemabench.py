@@ -10,13 +10,17 @@ grammar allows can come out, not only what a model prefers) and each walk checke
     .venv/bin/python -m perf.bench.jsonschemabench --data /work/shared/jsonschemabench/data \\
         [--sample 400] [--seed 0] [--model models/SmolLM2-135M-Instruct] [--max-tokens 96] [--walks 3] [--out DIR]
 
-The data is the repository's data/<category>/*.json (not part of this project).
+The data is the repository's data/<category>/*.json (not part of this project). --out DIR writes summary.json
+(figures, CPU, load average), rows.json and rows.csv (each schema's way). --floor 0 gives a purely proportional
+sample of exactly --sample schemas.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import json
+import os
 import random
 import re
 import time
@@ -155,7 +159,9 @@ def generate(rows: list[Row], schemas: dict[str, Any], specs: dict[str, GrammarS
     from inflight.llm import LLM
     from inflight.sequence import FinishReason, SamplingParams
     todo = [row for row in rows if row.stage == "compiled"]
-    llm = LLM(model, max_num_seqs=16)
+    # Every request arrives at once here, so its compile may wait behind all the others: no deadline (the compile
+    # on its own was measured above, under grammar_compile_timeout_ms).
+    llm = LLM(model, max_num_seqs=16, grammar_compile_timeout_ms=3_600_000)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt_of(schemas[r.path])}],
                                                  tokenize=False, add_generation_prompt=True) for r in todo]
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
@@ -271,6 +277,8 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
         "refusals": collections.Counter(r.reason for r in rows if r.stage != "compiled").most_common(),
         "per_category": per_category,
         "compile_s": {"median": compile_times[len(compile_times) // 2] if compile_times else None,
+                      "p95": compile_times[min(len(compile_times) - 1, int(0.95 * len(compile_times)))]
+                      if compile_times else None,
                       "max": compile_times[-1] if compile_times else None},
     }
 
@@ -289,6 +297,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
+    t_start = time.monotonic()
     picked = sample(load(args.data), args.sample, args.seed, args.floor)
     rows, schemas, specs = [], {}, {}
     for path in picked:
@@ -311,12 +321,24 @@ def main() -> None:
     summary = summarize(rows)
     summary.update({"cpu": {k: cpuinfo_field(k) for k in ("model name", "cpu family", "model")},
                     "args": {k: str(v) for k, v in vars(args).items()},
-                    "compile_wall_s": round(compile_wall, 1), "generate_wall_s": round(generate_wall, 1)})
+                    "compile_wall_s": round(compile_wall, 1), "generate_wall_s": round(generate_wall, 1),
+                    "total_wall_s": round(time.monotonic() - t_start, 1),
+                    "loadavg_before": [round(x, 2) for x in load_before],
+                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]})
     print(json.dumps({k: v for k, v in summary.items() if k != "per_category"}, indent=1))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         (args.out / "rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+        with open(args.out / "rows.csv", "w", newline="") as f:
+            walk_kinds = ("valid", "invalid", "unfinished", "not_utf8", "annotation_formats_unmet")
+            names = [n for n in Row.__dataclass_fields__ if n != "walks"] + [f"walks_{k}" for k in walk_kinds]
+            writer = csv.DictWriter(f, fieldnames=names)
+            writer.writeheader()
+            for r in rows:
+                d = {k: v for k, v in asdict(r).items() if k != "walks"}
+                d.update({f"walks_{k}": r.walks.get(k, 0) for k in walk_kinds})
+                writer.writerow(d)
 
 
 if __name__ == "__main__":
