@@ -205,3 +205,37 @@ def test_what_cannot_be_enforced_is_refused_by_keyword_and_place(schema, where, 
 def test_an_unsatisfiable_schema_is_refused_not_compiled():
     message = refusal({"type": "object", "properties": {"a": {"type": "string", "enum": [1, 2]}}, "required": ["a"]})
     assert "no value can satisfy" in message
+
+
+# ---- lengths beside a pattern: kept where the pattern's own widths already meet them ------------------
+
+@pytest.mark.parametrize("schema", [
+    # JSONSchemaBench Github_medium/o68447: a date-time pattern 20-24 characters long, lengths 4-24
+    {"type": "string", "minLength": 4, "maxLength": 24,
+     "pattern": "^((([0-9]{4})-([0-9][0-9])-([0-9][0-9]))T([0-9][0-9]:[0-9][0-9]:[0-9][0-9](.[0-9][0-9][0-9]?)?)Z)$"},
+    # Snowplow/sp_267: a UUID (36) or 16 hex digits, maxLength 36
+    {"type": "string", "maxLength": 36, "pattern": "^[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}$|^[0-9a-f]{16}$"},
+    # Github_ultra/o65671: unanchored (xgrammar writes whole matches, so never a longer string holding one)
+    {"type": "string", "minLength": 3, "maxLength": 3, "pattern": "[a-zA-Z]{3}"},
+    # Github_medium/o63937: one class repeated, its lengths 3-63 written into the repetition
+    {"type": "string", "minLength": 3, "maxLength": 63, "pattern": "^[0-9a-zA-Z\\.\\-_]+$"},
+    {"type": "string", "minLength": 2, "pattern": "^[a-c]{1,5}$"},
+    {"type": "string", "maxLength": 4, "pattern": "x*"},
+])
+def test_lengths_the_pattern_already_meets_are_kept_by_it(walker, schema):
+    assert_only_valid_instances(walker, {"type": "object", "properties": {"s": schema}, "required": ["s"]})
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^[a-z]+[0-9]$", "minLength": 3},  # the pattern allows "a1"
+    {"type": "string", "pattern": "^([a-z]{2,9})$", "maxLength": 8},  # ... nine letters in a group
+    {"type": "string", "pattern": "^(\\d+\\.\\d+\\.\\d+.*)$", "maxLength": 32},  # unbounded
+])
+def test_lengths_the_pattern_may_break_are_still_refused(schema):
+    assert "beside 'pattern'" in refusal({"type": "object", "properties": {"s": schema}})
+
+
+def test_a_repetition_no_length_allows_is_refused_as_unsatisfiable():
+    message = refusal({"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]{1,3}$",
+                                                              "minLength": 5}}, "required": ["s"]})
+    assert "no value can satisfy" in message and "pattern" in message, message

@@ -22,6 +22,11 @@ from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
+try:  # the regex parser, for a pattern's shortest and longest match
+    from re import _parser as _sre_parse  # novermin - Python 3.11+
+except ImportError:  # Python 3.10 (the GPU image)
+    import sre_parse as _sre_parse
+
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
 NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -1025,6 +1030,43 @@ def _emit_string(out: dict, core: dict, where: str) -> None:
             out["pattern"] = grammar_pattern(out["pattern"])
         except ValueError as e:
             raise SchemaRefused("pattern", where, str(e)) from None
+        _drop_lengths_the_pattern_meets(out, where)
+
+
+def _drop_lengths_the_pattern_meets(out: dict, where: str) -> None:
+    """xgrammar drops minLength/maxLength beside a pattern (grammar/cost.py refuses them then). Where every string
+    the pattern matches whole (xgrammar writes whole matches) already has an allowed length, they say nothing more
+    and are left out; where the pattern is one character class repeated, they become its repetition's bounds."""
+    if "minLength" not in out and "maxLength" not in out:
+        return
+    try:
+        shortest, longest = _sre_parse.parse(out["pattern"]).getwidth()
+    except (re.error, OverflowError, RecursionError, ValueError):  # not a regex Python reads: stays as written
+        return
+    low, high = out.get("minLength", 0), out.get("maxLength", math.inf)
+    if shortest >= low and longest <= high:
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        return
+    # One character class repeated ("^[a-z0-9-]+$"): the lengths go into its repetition.
+    one = _ONE_CLASS_REPEATED.match(out["pattern"])
+    if one is None:
+        return
+    start, item, quantifier, end = one.groups()
+    q_low, comma, q_high = quantifier.strip("{}").partition(",") if quantifier[0] == "{" else ("", "", "")
+    least = {"+": 1, "*": 0}.get(quantifier, int(q_low or 0))
+    most = math.inf if quantifier in ("+", "*") or (comma and not q_high) else int(q_high or q_low)
+    least, most = max(least, low), min(most, high)
+    if least > most:
+        raise Unsatisfiable("pattern", where, f"its repetition allows no length in [{low}, {high}]")
+    out["pattern"] = f"{start}{item}{{{least},{'' if most == math.inf else most}}}{end}"
+    out.pop("minLength", None)
+    out.pop("maxLength", None)
+
+
+# A pattern that is one character class (or escape, or plain character) under one quantifier, anchors optional.
+_ONE_CLASS_REPEATED = re.compile(r"^(\^?)(\[(?:\\.|[^\]\\])+\]|\\[^\d]|[^\\\[\](){}|?*+^$.])"
+                                 r"(\+|\*|\{\d+(?:,\d*)?\})(\$?)$")
 
 
 # Escapes whose sets differ between ECMA-262 (JSON Schema's and xgrammar's reading) and Python's re (the jsonschema
