@@ -30,8 +30,10 @@ def _requests(llm):
 
 @pytest.fixture(scope="module")
 def llm():
-    # Chunked prefill, some requests waiting; no prefix cache, so every run schedules alike.
-    return LLM(TINY, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False)
+    # Chunked prefill, some requests waiting; no prefix cache and drafts that do not follow measured step times
+    # (the default draft policy does), so every run schedules alike.
+    return LLM(TINY, num_kv_blocks=128, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False,
+               speculative_draft_policy="always")
 
 
 def _stream(llm, defer: bool, abort_after_steps: int | None = None):
