@@ -387,7 +387,8 @@ class LLMEngine:
                 num_prompt = len(seq.prompt_token_ids)
                 outputs.append(RequestOutput(seq.group_id, [token], detok.take_delta(seq, False), False, None,
                                              num_prompt, len(seq.token_ids) - num_prompt, seq.cumulative_logprob,
-                                             None, token_logprobs, seq.sample_index))
+                                             None, token_logprobs, seq.sample_index,
+                                             num_cached_tokens=seq.num_cached_tokens))
                 continue
             outputs.append(self._finish(seq, reason, now, [token], stop_string_matched, token_logprobs,
                                         rendered.pop(seq.request_id, None)))
@@ -495,7 +496,8 @@ class LLMEngine:
             num_prompt = len(seq.prompt_token_ids)
             outputs.append(RequestOutput(seq.group_id, emitted, text, False, None, num_prompt,
                                          len(seq.token_ids) - num_prompt, seq.cumulative_logprob, None,
-                                         token_logprobs, seq.sample_index))
+                                         token_logprobs, seq.sample_index,
+                                         num_cached_tokens=seq.num_cached_tokens))
         self.metrics.on_step_tokens([], gaps)
         self.metrics.on_spec_decode(len(groups), num_draft_tokens, num_accepted_total, per_position)
         return outputs
@@ -517,7 +519,8 @@ class LLMEngine:
             num_prompt = len(seq.prompt_token_ids)
             rendered[seq.request_id] = RequestOutput(
                 seq.group_id, [token], detok.take_delta(seq, False), False, None, num_prompt,
-                len(seq.token_ids) - num_prompt, seq.cumulative_logprob, None, None, seq.sample_index)
+                len(seq.token_ids) - num_prompt, seq.cumulative_logprob, None, None, seq.sample_index,
+                num_cached_tokens=seq.num_cached_tokens)
         return rendered
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float, new_token_ids: list[int] | None = None,
@@ -539,6 +542,7 @@ class LLMEngine:
         seq.finish_time = now
         self._awaiting_grammar.pop(seq, None)
         seq.grammar_matcher = None
+        num_cached = seq.num_cached_tokens  # freeing the blocks below zeroes it
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.forget(seq)
@@ -550,7 +554,7 @@ class LLMEngine:
         self.metrics.on_finish(seq, now)
         return RequestOutput(seq.group_id, token_ids, text + self.detokenizer.take_delta(seq, finished=True),
                              True, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
-                             seq.error, logprobs, seq.sample_index)
+                             seq.error, logprobs, seq.sample_index, num_cached_tokens=num_cached)
 
     def _record_prefix_stats(self) -> None:
         bm = self.block_manager

@@ -357,6 +357,8 @@ FIELDS: tuple[Field, ...] = (
     Field("return_num_input_tokens", BOOL, False, "attach num_input_tokens", sampling=False),
     Field("return_num_output_tokens", BOOL, False, "attach num_output_tokens (tokens in this response)",
           sampling=False),
+    Field("return_num_cached_tokens", BOOL, False, "attach num_cached_tokens (prompt tokens the prefix cache held "
+          "when the request was admitted; OpenAI's usage.prompt_tokens_details.cached_tokens)", sampling=False),
     Field("return_cumulative_logprob", BOOL, False, "attach cumulative_logprob", sampling=False),
     Field("return_logprobs", BOOL, False, "attach logprobs: JSON, per token of this response, the top `logprobs` "
           "tokens (vLLM's layout); null when the request set no logprobs", sampling=False),

@@ -175,3 +175,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     index: int = 0  # which of the request's n samples (request_id names the request, not the sample)
     refused: bool = False  # an ERROR that is the client's input (a grammar that cannot be compiled), not a fault
+    num_cached_tokens: int = 0  # of the prompt's tokens, how many the prefix cache held at admission

@@ -45,6 +45,7 @@ class Accumulated:
         self.finish_reason: str | None = None
         self.num_input: int | None = None
         self.num_output: int | None = None
+        self.num_cached: int | None = None
         self.logprobs: list[TokenLogprob] | None = None  # every token's, when the request asked for logprobs
         self.offset = 0  # characters of the tokens before this delta's (completions' text_offset)
 
@@ -54,6 +55,7 @@ class Accumulated:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.num_input = delta.num_input_tokens if delta.num_input_tokens is not None else self.num_input
+        self.num_cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else self.num_cached
         if delta.num_output_tokens is not None:
             self.num_output = (self.num_output or 0) + delta.num_output_tokens
 
@@ -81,8 +83,13 @@ class Choices:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.all)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.all[0].num_input, sum(c.num_output or 0 for c in self.all))
+    def usage(self, before: list[Delta] | None = None) -> dict[str, Any]:
+        """Totals so far; `before`: a response not added yet, for the prompt's counts before any choice has one."""
+        first = self.all[0]
+        num_input, num_cached = first.num_input, first.num_cached
+        if num_input is None and before:
+            num_input, num_cached = before[0].num_input_tokens, before[0].num_cached_tokens
+        return usage(num_input, sum(c.num_output or 0 for c in self.all), num_cached)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -115,10 +122,16 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
     # aclosing then closes `deltas`, whose cleanup cancels the gRPC call of an unfinished request.
     async with aclosing(deltas):
         choices = Choices(req.n)
+
+        def event(chunk: dict[str, Any]) -> str:
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: the totals so far on every chunk
+                chunk["usage"] = choices.usage(first)
+            return sse(chunk)
+
         try:
             if req.is_chat:
                 for i in range(req.n):
-                    yield sse(builder.role_chunk(i))
+                    yield event(builder.role_chunk(i))
             step, prefix = first, (req.prompt if req.echo else "")
             echoed = set()
             # Chat with tools: each choice's text goes through its tool-call reader (content and tool_calls deltas).
@@ -133,12 +146,12 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
                     choice.offset += sum(len(t.token) for t in delta.logprobs or [])
                     if readers is not None:
                         for chunk in _tool_chunks(builder, readers[delta.index], text, delta):
-                            yield sse(chunk)
+                            yield event(chunk)
                     elif delta.finish_reason:
-                        yield sse(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index,
-                                                logprobs))
+                        yield event(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index,
+                                                  logprobs))
                     elif text or logprobs is not None and delta.logprobs:
-                        yield sse(builder.chunk(text, index=delta.index, logprobs=logprobs))
+                        yield event(builder.chunk(text, index=delta.index, logprobs=logprobs))
                 if choices.finished:
                     if req.include_usage:
                         yield sse(builder.usage_chunk(choices.usage()))

@@ -37,6 +37,7 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     echo: bool = False
     # How many most likely tokens to list per output token when the request asked for logprobs (completions'
     # `logprobs`, chat's `top_logprobs`); None: no logprobs.
@@ -116,10 +117,12 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(options, dict):
             raise bad_request(f"stream_options={options!r} is not an object", "stream_options")
-        include = options.get("include_usage", False)
-        if not isinstance(include, bool):
-            raise bad_request(f"stream_options.include_usage={include!r} is not a boolean", "stream_options")
-        req.include_usage = include
+        for key in ("include_usage", "continuous_usage_stats"):
+            if not isinstance(options.get(key, False), bool):
+                raise bad_request(f"stream_options.{key}={options[key]!r} is not a boolean", "stream_options")
+        req.include_usage = options.get("include_usage", False)
+        # vLLM's rule: continuous_usage_stats adds to include_usage, it does nothing alone.
+        req.continuous_usage = req.include_usage and options.get("continuous_usage_stats", False)
 
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported by this server", "logit_bias")

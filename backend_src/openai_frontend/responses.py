@@ -17,9 +17,13 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(num_input: int | None, num_output: int | None) -> dict[str, int]:
+def usage(num_input: int | None, num_output: int | None, num_cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage block; prompt_tokens_details.cached_tokens when the model reported its prefix-cache hits."""
     p, c = num_input or 0, num_output or 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    block: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if num_cached is not None:
+        block["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return block
 
 
 def _top(t: TokenLogprob, n: int) -> list[tuple[str, float]]:
@@ -89,7 +93,7 @@ class ResponseBuilder:
         return {**self._stream_head(), "choices": [
             {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    def usage_chunk(self, usage_block: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage_block: dict[str, Any]) -> dict[str, Any]:
         return {**self._stream_head(), "choices": [], "usage": usage_block}
 
     def full(self, choices: list[tuple[str | None, str, list[dict[str, Any]]]], usage_block: dict[str, Any],

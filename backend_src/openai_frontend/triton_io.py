@@ -89,7 +89,9 @@ def build_request(info: ModelInfo, prompt: str, sampling: dict[str, Any]) -> tup
     (name -> array with the model's shape, request parameters)."""
     tensors: dict[str, np.ndarray] = {"text_input": _tensor_value("text_input", prompt, np.object_)}
     leftover: dict[str, Any] = {}
-    for key, value in {**_ALWAYS, **sampling}.items():
+    # Prefix-cache hits (usage.prompt_tokens_details.cached_tokens), from a model that declares the output.
+    cached = {"return_num_cached_tokens": True} if "num_cached_tokens" in info.outputs else {}
+    for key, value in {**_ALWAYS, **cached, **sampling}.items():
         field = BY_NAME.get(key)  # a model may declare a field under any of its input names (the schema's)
         name = next((n for n in (field.input_names if field else (key,)) if n in info.inputs), None)
         if name is None:
@@ -143,6 +145,7 @@ class Delta:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     index: int = 0  # which of the request's n samples (OpenAI's choice index)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held, when the model reports it
     logprobs: list[TokenLogprob] | None = None  # this response's tokens, when the request asked for logprobs
 
 
@@ -179,13 +182,15 @@ def parse_response(get: Any) -> list[Delta]:
 
     texts, reasons, n_out = column("text_output"), column("finish_reason"), column("num_output_tokens")
     n_in, logprobs, ids = column("num_input_tokens"), column("logprobs"), [int(t) for t in column("output_ids")]
+    n_cached = column("num_cached_tokens")
     deltas, start = [], 0
     for i, t in enumerate(texts or [b""]):
         # vLLM's convention, which our models follow: finish_reason "None" until that sample finishes.
         reason = text(reasons[i]) if i < len(reasons) else None
         delta = Delta(text=text(t), finish_reason=None if reason in (None, "", "None") else reason,
                       num_input_tokens=int(n_in[0]) if n_in else None,
-                      num_output_tokens=int(n_out[i]) if i < len(n_out) else None, index=i)
+                      num_output_tokens=int(n_out[i]) if i < len(n_out) else None, index=i,
+                      num_cached_tokens=int(n_cached[0]) if n_cached else None)
         # output_ids holds every sample's tokens of this response one after the other; num_output_tokens splits it.
         count = delta.num_output_tokens or 0
         if i < len(logprobs):

@@ -27,7 +27,8 @@ KEY_NAMES = tuple(sorted(BY_NAME))
 # is [samples, tokens] (OUTPUT_DIMS).
 OUTPUTS = (("text_output", "TYPE_STRING"), ("finish_reason", "TYPE_STRING"), ("num_input_tokens", "TYPE_UINT32"),
            ("num_output_tokens", "TYPE_UINT32"), ("cumulative_logprob", "TYPE_FP32"), ("logprobs", "TYPE_STRING"),
-           ("cum_log_probs", "TYPE_FP32"), ("output_log_probs", "TYPE_FP32"), ("output_ids", "TYPE_INT32"))
+           ("cum_log_probs", "TYPE_FP32"), ("output_log_probs", "TYPE_FP32"), ("output_ids", "TYPE_INT32"),
+           ("num_cached_tokens", "TYPE_UINT32"))
 OUTPUT_DIMS = {"output_log_probs": [-1, -1]}  # the rest: [-1]
 
 
@@ -43,6 +44,7 @@ class ParsedRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
     return_cumulative_logprob: bool = False
     return_logprobs: bool = False
     return_log_probs: bool = False

@@ -50,6 +50,7 @@ class LiveRequest:
     req: ParsedRequest
     samples: list[Sample] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens from the prefix cache, as the first output said
     num_responses: int = 0
     abort_reason: str | None = None  # set once an abort was asked for, and why
     error: RequestError | None = None  # what ended the request, when it did not finish
@@ -105,6 +106,8 @@ class Responder:
             sample.logprobs += out.logprobs or []
             sample.cumulative_logprob = out.cumulative_logprob
             live.num_prompt_tokens = out.num_prompt_tokens
+            if live.num_cached_tokens is None:  # admission's count: a later preemption recounts its own blocks
+                live.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 sample.finish_reason = out.finish_reason
 
@@ -155,6 +158,8 @@ class Responder:
                                                  for s in samples], dtype=np.object_)
         if req.return_num_input_tokens:
             outputs["num_input_tokens"] = np.array([live.num_prompt_tokens], dtype=np.uint32)
+        if req.return_num_cached_tokens:
+            outputs["num_cached_tokens"] = np.array([live.num_cached_tokens or 0], dtype=np.uint32)
         if req.return_num_output_tokens:
             outputs["num_output_tokens"] = np.array([len(s.token_ids) for s in samples], dtype=np.uint32)
         if req.return_cumulative_logprob:

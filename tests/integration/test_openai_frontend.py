@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -280,6 +281,43 @@ def test_logprobs_out_of_range_are_400(client, chat, kwargs, needles):
             client.completions.create(model="smol", prompt="x", max_tokens=2, **kwargs)
     assert all(n in e.value.message for n in needles), e.value.message
     assert e.value.body["param"] == ("top_logprobs" if "top_logprobs" in kwargs else "logprobs")
+
+
+# ---- usage: stream_options and cached tokens (issue 41) ----------------------------------------------------
+
+def test_stream_options_continuous_usage_stats_put_usage_on_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(max_tokens=6, extra_body={"ignore_eos": True}, stream=True, stream_options=options, **greedy())
+    for chunks in (list(client.completions.create(model="tiny", prompt="Once upon a time", **kw)),
+                   list(client.chat.completions.create(model="smol", messages=CHAT, **kw))):
+        last = chunks[-1]
+        assert last.choices == [] and last.usage.completion_tokens == 6 and last.usage.prompt_tokens > 0
+        assert all(c.usage is not None for c in chunks), [c.usage for c in chunks]
+        done = [c.usage.completion_tokens for c in chunks]
+        assert done == sorted(done) and done[-2] == 6
+        assert all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in chunks)
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    # continuous_usage_stats alone sends none (vLLM's rule: it adds to include_usage)
+    chunks = list(client.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True,
+                                            stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in chunks)
+
+
+def test_cached_tokens_report_prefix_cache_hits(client):
+    prompt = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 12  # fresh: never cached
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2)
+    first = client.completions.create(**kw).usage
+    second = client.completions.create(**kw).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens == first.prompt_tokens
+    streamed = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1].usage
+    assert streamed.prompt_tokens_details.cached_tokens == second.prompt_tokens_details.cached_tokens
+    messages = [{"role": "user", "content": prompt}]
+    first = client.chat.completions.create(model="smol", messages=messages, max_tokens=2).usage
+    second = client.chat.completions.create(model="smol", messages=messages, max_tokens=2).usage
+    # The chat template's opening (SmolLM2's default system message) may be cached by earlier requests already.
+    assert first.prompt_tokens_details.cached_tokens < second.prompt_tokens_details.cached_tokens
+    assert second.prompt_tokens // 2 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
 
 
 # ---- chat ---------------------------------------------------------------------------------------
