@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .env_overrides import apply_env_overrides
 from .settings import AutoOrInts, Bools, Choices, Floats, Ints, Pattern, Text, check_fields, parse_value, setting
 
 _COUNT = 1 << 20
@@ -145,7 +146,6 @@ class EngineConfig:
     def from_options(cls, environ=None, **options) -> "EngineConfig":
         """Build from keyword options (strings are parsed as config.pbtxt's are; unknown names raise), then
         apply the operator's environment overrides (env_overrides.py; `environ` defaults to os.environ)."""
-        from .env_overrides import apply_env_overrides  # it imports this module
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:

@@ -65,7 +65,7 @@ def resolve_cpu_defaults(config: EngineConfig, vendor: str | None = None,
                          onednn: bool | None = None) -> ResolvedSwitches:
     """Every switch of `config` as it applies here. vendor and onednn (whether torch's oneDNN linear works) are
     read from the host unless given (tests)."""
-    from .model.linear import onednn_available  # the model package imports torch; this module stays light
+    from .onednn import onednn_available  # it imports torch; this module stays light
     vendor = cpu_vendor() if vendor is None else vendor
     onednn = onednn_available() if onednn is None else onednn
     is_cuda = str(config.device).startswith("cuda")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, TypeVar
 
 from .settings import allowed_of, parse_value
 
-if TYPE_CHECKING:
-    from .config import EngineConfig
-
 log = logging.getLogger(__name__)
+
+# An EngineConfig: config.py imports this module to apply the overrides as it builds one, never the other way.
+Config = TypeVar("Config")
 
 ATTENTION_ENV = "INFLIGHT_ATTENTION"
 # variable -> EngineConfig field
@@ -48,11 +48,11 @@ def env_name(field: str) -> str | None:
     return next((var for var, name in OVERRIDES.items() if name == field), None)
 
 
-def read_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """{field: value} for every override variable set (a blank one counts as unset), checked as the field is."""
-    from .config import EngineConfig
+def read_overrides(config, environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """{field: value} for every override variable set (a blank one counts as unset), checked as the field of
+    `config` (an EngineConfig, or the class) is."""
     env = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    fields = {f.name: f for f in dataclasses.fields(config)}
     values = {}
     for var, name in OVERRIDES.items():
         raw = env.get(var, "")
@@ -66,9 +66,9 @@ def read_overrides(environ: Mapping[str, str] | None = None) -> dict[str, object
     return values
 
 
-def apply_env_overrides(config: "EngineConfig", environ: Mapping[str, str] | None = None) -> "EngineConfig":
+def apply_env_overrides(config: Config, environ: Mapping[str, str] | None = None) -> Config:
     """The config with the environment's overrides applied (the config itself when there are none)."""
-    values = read_overrides(environ)
+    values = read_overrides(config, environ)
     for name, value in values.items():
         log.info("environment override %s: %s=%r (the config said %r)", env_name(name), name, value,
                  getattr(config, name))

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from inflight.model.config import ModelConfig
-from inflight.model.linear import _ONEDNN, PACK_ROWS_HINT
+from inflight.model.linear import PACK_ROWS_HINT
 from inflight.model.native_decode import few_row_product
+from inflight.onednn import ONEDNN_LINEAR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,8,16")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    if _ONEDNN is None:
+    if ONEDNN_LINEAR is None:
         raise SystemExit("this torch build has no oneDNN linear: there is nothing to compare")
     shapes = model_shapes(ModelConfig.from_dir(args.model))
     dense = [torch.randn(out_f, in_f) for out_f, in_f in shapes]
@@ -65,7 +66,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {n: torch.randn(rows, n) for n in {in_f for _, in_f in shapes}}
             blas = median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense], args.repeats)
-            onednn = median_ms(lambda xs=xs: [_ONEDNN(xs[w.shape[1]], p, None, "none", [], "")
+            onednn = median_ms(lambda xs=xs: [ONEDNN_LINEAR(xs[w.shape[1]], p, None, "none", [], "")
                                               for w, p in zip(dense, packed)], args.repeats)
             own = median_ms(lambda xs=xs: [native(xs[w.shape[1]], w) for w in dense], args.repeats)
             times = {"blas": blas, "onednn": onednn, "native": own}

@@ -20,9 +20,10 @@ import inflight  # noqa: F401, I001 - first: it sets OMP_WAIT_POLICY before torc
 import torch
 
 from inflight.model import ModelConfig
-from inflight.model.linear import _ONEDNN, PACK_ROWS_HINT
+from inflight.model.linear import PACK_ROWS_HINT
 from inflight.model.native_decode import few_row_product, quant_product
 from inflight.model.quant import quantize_int4, quantize_int8
+from inflight.onednn import ONEDNN_LINEAR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,7 +60,7 @@ def main() -> None:
     int8 = [quantize_int8(w) for w in weights]
     q8_0 = [quantize_int8(w, 32) for w in weights]
     int4 = [quantize_int4(w) for w in weights]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights] if _ONEDNN else []
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in weights] if ONEDNN_LINEAR else []
     qprod, fprod = quant_product(), few_row_product()
     results = []
     for n in (int(r) for r in args.rows.split(",")):
@@ -72,7 +73,7 @@ def main() -> None:
                "q8_0_native_ms": run(lambda x, q: qprod(x, q, None), q8_0),
                "float32_native_ms": run(lambda x, w: fprod(x, w), weights)}
         if packed:
-            row["float32_onednn_ms"] = run(lambda x, p: _ONEDNN(x, p, None, "none", [], ""), packed)
+            row["float32_onednn_ms"] = run(lambda x, p: ONEDNN_LINEAR(x, p, None, "none", [], ""), packed)
         results.append(row)
         print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     if args.json:

@@ -12,7 +12,7 @@ def switches(vendor=None, **options):
     """The resolved switches select_cpu_gemm takes, for these engine options (and this CPU vendor)."""
     return resolve_cpu_defaults(EngineConfig(**options), vendor=vendor)
 
-needs_onednn = pytest.mark.skipif(linear_mod._ONEDNN is None, reason="this torch build has no oneDNN linear")
+needs_onednn = pytest.mark.skipif(linear_mod.ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear")
 
 
 @needs_onednn
@@ -86,8 +86,8 @@ def test_few_rows_take_blas_on_the_kept_dense_weight_and_more_rows_onednn(monkey
     assert layer.gemv_rows == 3 and torch.equal(layer.weight, weight)  # kept beside the packed copy
     x = torch.randn(rows, 96)
     called = []
-    real = linear_mod._ONEDNN
-    monkeypatch.setattr(linear_mod, "_ONEDNN", lambda *a: called.append(1) or real(*a))
+    real = linear_mod.ONEDNN_LINEAR
+    monkeypatch.setattr(linear_mod, "ONEDNN_LINEAR", lambda *a: called.append(1) or real(*a))
     with torch.inference_mode():
         out = layer(x)
     assert bool(called) == (rows > 3)

@@ -77,13 +77,13 @@ def test_a_bad_override_is_refused_naming_the_variable_its_value_and_the_range(v
     f = ENGINE_FIELDS[OVERRIDES[var]]
     raw = _bad(allowed_of(f))
     with pytest.raises(ValueError) as info:
-        read_overrides({var: raw})
+        read_overrides(EngineConfig, {var: raw})
     assert str(info.value) == (f"environment {var}={raw!r} is out of range: allowed {allowed_of(f).text} "
                                f"(it overrides the engine option {f.name})")
 
 
 def test_a_blank_override_is_unset_and_options_build_without_the_environment():
-    assert read_overrides({"INFLIGHT_CPU_GEMM": " "}) == {}
+    assert read_overrides(EngineConfig, {"INFLIGHT_CPU_GEMM": " "}) == {}
     assert EngineConfig.from_options(environ={}, cpu_gemm="blas").cpu_gemm == "blas"
 
 

@@ -1,4 +1,4 @@
-"""A GGUF file's RoPE scaling and end-of-turn token (model/gguf_loader.py): a Llama 3-style file (rope_freqs
+"""A GGUF file's RoPE scaling and end-of-turn token (model/config.py): a Llama 3-style file (rope_freqs
 tensor) and a linear-scaled one compute what transformers computes with the same scaling on the same weights; a
 scaling the engine does not implement is refused by name; tokenizer.ggml.eot_token_id stops generation."""
 from __future__ import annotations

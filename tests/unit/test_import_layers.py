@@ -124,3 +124,75 @@ def test_the_scan_catches_a_bad_import(tmp_path, monkeypatch):
                                   "(serving.frontend): allowed none"), problems
     assert "bad.py:5: imports ab_harness, one of the benchmarks (perf/)" in problems[1]
     assert "bad.py:6: `...` climbs out of the package inflight" in problems[2]
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """{module: the modules of `package` it imports}, every import counted: at module level, inside a function, under
+    TYPE_CHECKING. `from a import b` names the module a.b where there is one, else a (a package: its __init__)."""
+    root = SRC / package
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: every strongly connected set of more than one module (Tarjan's algorithm), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_the_engine_has_no_import_circle():
+    """No module of inflight imports, through any chain, one that imports it back (docs/architecture.md, Layers):
+    what two modules share moves down into one below both, not into an import inside a function."""
+    circles = cycles(module_graph("inflight"))
+    assert not circles, "import circles in backend_src/inflight:\n" + "\n".join(f"circle: {', '.join(c)}"
+                                                                               for c in circles)
+
+
+def test_the_circle_scan_finds_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

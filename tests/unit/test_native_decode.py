@@ -20,7 +20,7 @@ from inflight.model import ModelConfig, LlamaForCausalLM, native_decode
 from inflight.model import linear as linear_mod
 
 needs_native = pytest.mark.skipif(
-    linear_mod._ONEDNN is None or not native_decode._torch_sgemm() or shutil.which("cc") is None,
+    linear_mod.ONEDNN_LINEAR is None or not native_decode._torch_sgemm() or shutil.which("cc") is None,
     reason="needs torch's oneDNN linear, an exported sgemm and a C compiler (cc)")
 
 

@@ -1,5 +1,8 @@
 """The architecture facts of a checkpoint, read from its config.json (transformers 4 or 5 style), for every
-family the engine serves: Llama, Qwen2, Mistral, Qwen3 and Gemma 3 (model/families.py maps each to its module).
+family the engine serves: Llama, Qwen2, Mistral, Qwen3 and Gemma 3 (model/families.py maps each to its module);
+or from a GGUF file's metadata (Llama and Qwen2; model/gguf_loader.py loads its tensors). A GGUF's RoPE scaling is
+read as llama.cpp reads it (linear from the metadata, Llama 3's as the rope_freqs tensor); any other kind is refused
+by name.
 """
 from __future__ import annotations
 
@@ -12,6 +15,11 @@ from dataclasses import dataclass, field
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture of a GGUF file
+# {arch}.rope.scaling.type values served. Llama 3's scaling has no value of its own: llama.cpp's converter writes
+# it as per-dimension frequency divisors, the rope_freqs tensor, which is served whatever the type says.
+SUPPORTED_GGUF_ROPE_SCALING = ("none", "linear")
+ROPE_FREQS = "rope_freqs.weight"
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -72,9 +80,8 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
-        """From a Hugging Face folder, or a GGUF file's metadata (model/gguf_loader.py)."""
+        """From a Hugging Face folder, or a GGUF file's metadata (config_from_gguf)."""
         if str(path).endswith(".gguf"):
-            from .gguf_loader import config_from_gguf
             return config_from_gguf(path)
         return cls.from_dir(path)
 
@@ -195,3 +202,86 @@ def _eos_ids(raw: dict, text: dict, path: str) -> list[int]:
             if e not in eos_ids:
                 eos_ids.append(e)
     return eos_ids
+
+
+# ---- a GGUF file ----------------------------------------------------------------------------------------------
+def gguf_reader(path: str):
+    """The file's reader (model/gguf_loader.py takes its tensors from the same kind)."""
+    from gguf import GGUFReader  # the gguf package: only where a GGUF is read
+    return GGUFReader(path)
+
+
+def gguf_field(reader, key: str, default=None):
+    """A metadata value of the file, or `default` where it has none."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(path: str, reader=None) -> ModelConfig:
+    reader = reader or gguf_reader(path)
+    arch = gguf_field(reader, "general.architecture", "")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF {path}: general.architecture={arch!r} is not supported: allowed "
+                                    f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (a Hugging Face folder serves "
+                                    f"more families: docs/models.md)")
+    key = lambda name, default=None: gguf_field(reader, f"{arch}.{name}", default)  # noqa: E731
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    head_dim = key("attention.key_length", hidden // heads)
+    return ModelConfig(
+        model_type=arch, vocab_size=key("vocab_size") or (len(tokens.data) if tokens else 0), hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"), num_layers=key("block_count"), num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
+        max_position_embeddings=key("context_length", 2048), tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names, rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch, head_dim, path), eos_token_ids=_stop_token_ids(reader))
+
+
+def _stop_token_ids(reader) -> list[int]:
+    """EOS, then the end-of-turn token (Llama 3's <|eot_id|>, which ends every chat reply) where the file has one."""
+    ids = []
+    for name in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        value = gguf_field(reader, name)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def _rope_scaling(reader, arch: str, head_dim: int, path: str) -> dict:
+    """The RoPE scaling for model/llama.py's rope_inv_freq, with llama.cpp's reading of the file: no type means
+    linear, whose factor (0 or absent: 1) divides the frequencies; type none ignores the factor; a rope_freqs
+    tensor divides each frequency by its own factor, on top of the linear one."""
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "linear")
+    if kind not in SUPPORTED_GGUF_ROPE_SCALING:
+        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.type={kind!r} is not supported: allowed "
+                                    f"{', '.join(SUPPORTED_GGUF_ROPE_SCALING)}, and Llama 3's scaling as a "
+                                    f"rope_freqs tensor")
+    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor", 0.0) or
+                   gguf_field(reader, f"{arch}.rope.scale_linear", 0.0) or 1.0)
+    if kind == "none":
+        factor = 1.0
+    if factor <= 0:
+        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.factor={factor} is not supported: allowed > 0")
+    attn_factor = float(gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:  # llama.cpp scales cos and sin by it; rope_inv_freq has no such term
+        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.attn_factor={attn_factor} is not supported: "
+                                    f"allowed 1.0")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        divisors = _float_values(freqs)
+        if divisors.size != head_dim // 2 or not bool((divisors > 0).all()):
+            raise UnsupportedModelError(f"GGUF {path}: tensor {ROPE_FREQS} must hold {head_dim // 2} positive "
+                                        f"factors (head_dim / 2): found {divisors.tolist()[:8]} "
+                                        f"({divisors.size} values)")
+        return {"rope_type": "freq_factors", "factors": (divisors * factor).tolist()}
+    return {"rope_type": "linear", "factor": factor} if factor != 1.0 else {}
+
+
+def _float_values(reader_tensor):
+    """A GGUF tensor's values, flat, float32 (numpy): its type dequantized by the gguf package."""
+    import numpy as np
+    from gguf.quants import dequantize
+    return np.array(dequantize(reader_tensor.data, reader_tensor.tensor_type), dtype=np.float32).reshape(-1)

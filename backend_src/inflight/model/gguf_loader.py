@@ -2,10 +2,9 @@
 tensors kept quantized as they are (model/quant.py repacks the blocks), so no float32 copy of the model is made.
 
 Tensors of other types (F32, F16, BF16, the K-quants, Q5_*) are dequantized by the gguf package to float32, then
-quantized as the `quantization` option asks (none: they stay float32). The config comes from the file's metadata.
-llama.cpp stores a Llama's q and k projections with each head's rows interleaved for its RoPE; they are put back
-in Hugging Face's order here, as transformers' own GGUF loader does. RoPE scaling is read as llama.cpp reads it
-(linear from the metadata, Llama 3's as the rope_freqs tensor); any other kind is refused by name.
+quantized as the `quantization` option asks (none: they stay float32). The config comes from the file's metadata
+(model/config.py reads it, RoPE scaling included). llama.cpp stores a Llama's q and k projections with each head's
+rows interleaved for its RoPE; they are put back in Hugging Face's order here, as transformers' own GGUF loader does.
 """
 from __future__ import annotations
 
@@ -14,93 +13,15 @@ import os
 import numpy as np
 import torch
 
-from .config import ModelConfig, UnsupportedModelError
+from .config import UnsupportedModelError, gguf_field, gguf_reader
 from .quant import INT4, INT8, QuantizedEmbedding, QuantizedWeight, concat_rows, from_gguf_blocks, permute_rows, \
     quantize, quantize_int8
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 KEPT = ("Q8_0", "Q4_0", "Q4_1")  # repacked as they are; every other type is dequantized
-# {arch}.rope.scaling.type values served. Llama 3's scaling has no value of its own: llama.cpp's converter writes
-# it as per-dimension frequency divisors, the rope_freqs tensor, which is served whatever the type says.
-SUPPORTED_ROPE_SCALING = ("none", "linear")
-ROPE_FREQS = "rope_freqs.weight"
 
 
 def is_gguf(path: str) -> bool:
     return str(path).endswith(".gguf") and os.path.isfile(path)
-
-
-def _reader(path: str):
-    from gguf import GGUFReader  # the gguf package: only where a GGUF is loaded
-    return GGUFReader(path)
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def config_from_gguf(path: str, reader=None) -> ModelConfig:
-    reader = reader or _reader(path)
-    arch = _field(reader, "general.architecture", "")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"GGUF {path}: general.architecture={arch!r} is not supported: allowed "
-                                    f"{', '.join(SUPPORTED_ARCHITECTURES)} (a Hugging Face folder serves more "
-                                    f"families: docs/models.md)")
-    key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731
-    heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    head_dim = key("attention.key_length", hidden // heads)
-    return ModelConfig(
-        model_type=arch, vocab_size=key("vocab_size") or (len(tokens.data) if tokens else 0), hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"), num_layers=key("block_count"), num_heads=heads,
-        num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6),
-        max_position_embeddings=key("context_length", 2048), tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names, rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch, head_dim, path), eos_token_ids=_stop_token_ids(reader))
-
-
-def _stop_token_ids(reader) -> list[int]:
-    """EOS, then the end-of-turn token (Llama 3's <|eot_id|>, which ends every chat reply) where the file has one."""
-    ids = []
-    for name in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        value = _field(reader, name)
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
-    return ids
-
-
-def _rope_scaling(reader, arch: str, head_dim: int, path: str) -> dict:
-    """The RoPE scaling for model/llama.py's rope_inv_freq, with llama.cpp's reading of the file: no type means
-    linear, whose factor (0 or absent: 1) divides the frequencies; type none ignores the factor; a rope_freqs
-    tensor divides each frequency by its own factor, on top of the linear one."""
-    kind = _field(reader, f"{arch}.rope.scaling.type", "linear")
-    if kind not in SUPPORTED_ROPE_SCALING:
-        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.type={kind!r} is not supported: allowed "
-                                    f"{', '.join(SUPPORTED_ROPE_SCALING)}, and Llama 3's scaling as a rope_freqs "
-                                    f"tensor")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or
-                   _field(reader, f"{arch}.rope.scale_linear", 0.0) or 1.0)
-    if kind == "none":
-        factor = 1.0
-    if factor <= 0:
-        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.factor={factor} is not supported: allowed > 0")
-    attn_factor = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
-    if attn_factor != 1.0:  # llama.cpp scales cos and sin by it; rope_inv_freq has no such term
-        raise UnsupportedModelError(f"GGUF {path}: {arch}.rope.scaling.attn_factor={attn_factor} is not supported: "
-                                    f"allowed 1.0")
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    if freqs is not None:
-        divisors = _tensor(freqs, "none").reshape(-1)
-        if divisors.numel() != head_dim // 2 or not bool((divisors > 0).all()):
-            raise UnsupportedModelError(f"GGUF {path}: tensor {ROPE_FREQS} must hold {head_dim // 2} positive "
-                                        f"factors (head_dim / 2): found {divisors.tolist()[:8]} "
-                                        f"({divisors.numel()} values)")
-        return {"rope_type": "freq_factors", "factors": (divisors * factor).tolist()}
-    return {"rope_type": "linear", "factor": factor} if factor != 1.0 else {}
 
 
 def _tensor(reader_tensor, quantization: str) -> QuantizedWeight | torch.Tensor:
@@ -141,9 +62,9 @@ def _fuse(parts: list, quantization: str):
 def load_gguf(path: str, model, quantization: str) -> None:
     """Fill `model` (built on the meta device from config_from_gguf) from the file, in place."""
     from .linear import Linear
-    reader = _reader(path)
+    reader = gguf_reader(path)
     cfg = model.cfg
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str):

@@ -28,27 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..onednn import ONEDNN_LINEAR
+
 if TYPE_CHECKING:
     from ..cpu_defaults import ResolvedSwitches
 
 log = logging.getLogger(__name__)
-
-
-def _onednn_linear():
-    """torch's oneDNN linear op (the one torch.compile uses on CPU), or None where this build lacks it."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        op(torch.ones(1, 2), torch.ones(3, 2), None, "none", [], "")  # some builds register it but fail
-        return op
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def onednn_available() -> bool:
-    """Whether this torch build has a working oneDNN linear (cpu_defaults.py resolves cpu_gemm with it)."""
-    return _ONEDNN is not None
 
 
 def cpu_gemm_choice() -> str:
@@ -80,19 +65,18 @@ def _available_memory_bytes() -> int:
 # Rows the packed layout is tuned for: a CPU decode batch (max_num_seqs 16 here); oneDNN stays correct,
 # and near this speed, for any row count.
 PACK_ROWS_HINT = 16
-_ONEDNN = _onednn_linear()
 _PACKS: dict[torch.dtype, bool] = {}
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN can prepack and run a linear in this dtype on this CPU. bf16 needs avx512bw/vl/dq or
     avx_ne_convert (an AVX2-only CPU such as AMD's Zen 2 refuses it at the reorder); such a dtype takes BLAS."""
-    if _ONEDNN is None:
+    if ONEDNN_LINEAR is None:
         return False
     if dtype not in _PACKS:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 2, dtype=dtype), PACK_ROWS_HINT)
-            _ONEDNN(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
+            ONEDNN_LINEAR(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
             _PACKS[dtype] = True
         except RuntimeError as exc:
             log.info("CPU linears: oneDNN cannot pack %s on this CPU (%s); %s takes BLAS", dtype,
@@ -106,7 +90,7 @@ def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[t
                   out_features: int) -> torch.Tensor:
     """The prepacked oneDNN linear as an op torch.compile treats as opaque: inductor's own lowering of the
     oneDNN op cannot take an already packed weight, so the compiled CPU forward calls it through this."""
-    return _ONEDNN(x, packed_weight, bias, "none", [], "")
+    return ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
 
 
 @onednn_linear.register_fake
@@ -158,7 +142,7 @@ class Linear(DirectCall, nn.Linear):
                 return F.linear(x, self.weight, self.bias)
             out = self.few_row_product(rows, self.weight, self.bias)
         else:
-            out = _ONEDNN(rows, self.packed_weight, self.bias, "none", [], "")
+            out = ONEDNN_LINEAR(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

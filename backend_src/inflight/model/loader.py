@@ -7,9 +7,9 @@ import os
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, UnsupportedModelError
+from .config import ModelConfig, UnsupportedModelError, config_from_gguf
 from .families import model_class
-from .gguf_loader import config_from_gguf, is_gguf, load_gguf
+from .gguf_loader import is_gguf, load_gguf
 from .linear import select_cpu_gemm
 from .llama import LlamaForCausalLM
 from .quant import quantize_model
