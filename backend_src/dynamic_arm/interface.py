@@ -60,7 +60,8 @@ def decode_request(raw: bytes | str) -> tuple[ParsedRequest, float | None]:
     return ParsedRequest(prompt=body.get("prompt", ""), params=params, **flags), arrival_mono
 
 
-_PUBLIC = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob")
+_PUBLIC = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
+           "num_cached_tokens")
 
 
 def to_public_outputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -79,7 +79,7 @@ def server(repo, tmp_path_factory):
 @pytest.mark.parametrize("stream", [True, False])
 def test_greedy_outputs_of_the_dynamic_arm_equal_the_in_flight_arm(server, stream):
     asked = dict(max_tokens=24, temperature=0.0, ignore_eos=True, stream=stream, return_finish_reason=True,
-                 return_num_input_tokens=True, return_num_output_tokens=True)
+                 return_num_input_tokens=True, return_num_output_tokens=True, return_num_cached_tokens=True)
     for prompt in PROMPTS:
         inflight, err_a = generate(server.grpc_url, "llm", prompt, **asked)
         dynamic, err_b = generate(server.grpc_url, "llm_ensemble", prompt, **asked)
@@ -90,6 +90,8 @@ def test_greedy_outputs_of_the_dynamic_arm_equal_the_in_flight_arm(server, strea
             assert sum(r["num_output_tokens"][0] for r in responses) == 24
             assert all(r["finish_reason"] == [b"None"] for r in responses[:-1])  # vLLM's backend does the same
         assert dynamic[-1]["num_input_tokens"] == inflight[-1]["num_input_tokens"]
+        for responses in (inflight, dynamic):  # asked, so answered on both arms (each engine has its own cache)
+            assert 0 <= responses[-1]["num_cached_tokens"][0] <= responses[-1]["num_input_tokens"][0]
         if not stream:
             assert len(dynamic) == 1
 

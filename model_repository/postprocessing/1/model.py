@@ -18,7 +18,7 @@ from serving.triton_glue import error_response, read_inputs
 log = logging.getLogger("postprocessing")
 
 _INPUTS = ["output_ids", "text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-           "cumulative_logprob", "row_key"]
+           "cumulative_logprob", "num_cached_tokens", "row_key"]
 
 
 class TritonPythonModel:
