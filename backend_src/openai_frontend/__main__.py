@@ -11,6 +11,7 @@ import os
 import uvicorn
 
 from .app import create_app
+from .reasoning import PARSERS
 
 
 def _tokenizer_map(items: list[str]) -> dict[str, str]:
@@ -25,6 +26,18 @@ def _tokenizer_map(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _reasoning_parsers(items: list[str]) -> dict[str, str]:
+    """--reasoning-parser values -> model name ("*": every model not named) -> parser name."""
+    out = {}
+    for item in items:
+        model, sep, name = item.rpartition("=")
+        if sep and not model or name not in PARSERS:
+            raise ValueError(f"--reasoning-parser {item!r}: expected [MODEL=]PARSER, PARSER one of "
+                             f"{', '.join(PARSERS)}")
+        out[model if sep else "*"] = name
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
     ap.add_argument("--triton-grpc", default="127.0.0.1:8001", help="tritonserver gRPC address")
@@ -35,16 +48,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="tokenizer folder (chat template) of a model, when its config.pbtxt does not name one")
     ap.add_argument("--model-repository", default=None,
                     help="the server's model repository, to resolve relative model paths in config.pbtxt")
+    ap.add_argument("--reasoning-parser", action="append", default=[], metavar="[MODEL=]PARSER",
+                    help=f"split chat replies into reasoning and content (vLLM's option; {', '.join(PARSERS)}): "
+                         "for MODEL, or for every model when no MODEL is given; off by default")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
     args = ap.parse_args(argv)
     try:
         tokenizers = _tokenizer_map(args.tokenizer)
-    except argparse.ArgumentTypeError as e:
+        reasoning = _reasoning_parsers(args.reasoning_parser)
+    except (argparse.ArgumentTypeError, ValueError) as e:
         ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # From the environment, not argv, so the key does not show in `ps`.
-    app = create_app(args.triton_grpc, tokenizers, args.model_repository, os.environ.get("TRITON_ADMIN_KEY"))
+    app = create_app(args.triton_grpc, tokenizers, args.model_repository, os.environ.get("TRITON_ADMIN_KEY"),
+                     reasoning)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log)
 
 

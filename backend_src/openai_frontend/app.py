@@ -20,7 +20,8 @@ from inflight.config import EngineConfig
 from .chat import ChatTemplates
 from .errors import APIError, bad_request
 from .protocol import GenerationRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from .responses import DONE, ResponseBuilder, sse, usage
+from .reasoning import REASONING, ReasoningStream, prompt_ends_reasoning, split as split_reasoning
+from .responses import DONE, ResponseBuilder, reasoning_fields, sse, usage
 from .triton_client import TritonBackend
 from .tools import ToolStream, finish_reason, parse_output
 from .triton_io import Delta, TokenLogprob, openai_finish_reason
@@ -134,8 +135,10 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
                     yield event(builder.role_chunk(i))
             step, prefix = first, (req.prompt if req.echo else "")
             echoed = set()
-            # Chat with tools: each choice's text goes through its tool-call reader (content and tool_calls deltas).
-            readers = [ToolStream(req.tools) for _ in range(req.n)] if req.is_chat and req.tools.active else None
+            # Chat with tools or a reasoning parser: each choice's text goes through its reader (content, tool_calls
+            # and reasoning deltas).
+            readers = [ChatReader(req) for _ in range(req.n)] \
+                if req.is_chat and (req.tools.active or req.reasoning_parser) else None
             while True:
                 for delta in choices.add(step):
                     head = prefix if delta.index not in echoed else ""
@@ -145,7 +148,7 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
                     logprobs = builder.logprobs(delta.logprobs, choice.offset)
                     choice.offset += sum(len(t.token) for t in delta.logprobs or [])
                     if readers is not None:
-                        for chunk in _tool_chunks(builder, readers[delta.index], text, delta):
+                        for chunk in _tool_chunks(builder, readers[delta.index], text, delta, logprobs):
                             yield event(chunk)
                     elif delta.finish_reason:
                         yield event(builder.chunk(text, openai_finish_reason(delta.finish_reason), delta.index,
@@ -164,24 +167,88 @@ async def _stream_body(builder: ResponseBuilder, req: GenerationRequest, first: 
         yield DONE
 
 
-def _tool_chunks(builder: ResponseBuilder, reader: ToolStream, text: str, delta: Delta) -> list[dict[str, Any]]:
-    """One model delta of a chat choice with tools -> its chunks; the finish chunk says tool_calls when the choice
-    made calls."""
+class ChatReader:
+    """One chat choice's streamed text -> delta objects: the reasoning parser's reasoning (when the model has one
+    and the request includes it), its content through the tool-call reader (which passes text through without
+    tools), so tool calls are read only after the reasoning, as vLLM reads them."""
+
+    def __init__(self, req: GenerationRequest):
+        self.tools = ToolStream(req.tools)
+        self.reasoning = ReasoningStream(req.reasoning_ended) if req.reasoning_parser else None
+        self.include_reasoning = req.include_reasoning
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.reasoning is None:
+            return self.tools.feed(text)
+        return self._route(self.reasoning.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        held = self._route(self.reasoning.finish()) if self.reasoning is not None else []
+        return held + self.tools.finish()
+
+    def _route(self, pieces: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, text in pieces:
+            if kind == REASONING:
+                if self.include_reasoning:
+                    out.append(reasoning_fields(text))
+            else:
+                out += self.tools.feed(text)
+        return out
+
+
+def _tool_chunks(builder: ResponseBuilder, reader: ChatReader, text: str, delta: Delta,
+                 logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One model delta of a chat choice with tools or reasoning -> its chunks; the finish chunk says tool_calls when
+    the choice made calls. The delta's logprobs ride on its first chunk, or on an empty one while the reader holds
+    its text back."""
     parts = reader.feed(text)
-    if not delta.finish_reason:
-        return [builder.delta_chunk(p, index=delta.index) for p in parts]
-    parts += reader.finish()
-    reason = finish_reason(openai_finish_reason(delta.finish_reason), range(reader.num_calls))
-    return [builder.delta_chunk(p, index=delta.index) for p in parts] + \
-        [builder.delta_chunk({}, reason, delta.index)]
+    if delta.finish_reason:
+        parts += reader.finish()
+    chunks = [builder.delta_chunk(p, index=delta.index, logprobs=logprobs if i == 0 else None)
+              for i, p in enumerate(parts)]
+    if delta.finish_reason:
+        reason = finish_reason(openai_finish_reason(delta.finish_reason), range(reader.num_calls))
+        chunks.append(builder.delta_chunk({}, reason, delta.index, None if parts else logprobs))
+    elif not parts and logprobs is not None and delta.logprobs:
+        chunks.append(builder.delta_chunk({}, index=delta.index, logprobs=logprobs))
+    return chunks
 
 
-def _whole_choice(req: GenerationRequest, c: "Accumulated") -> tuple[str | None, str, list[dict[str, Any]]]:
+def _whole_choice(req: GenerationRequest, c: "Accumulated") \
+        -> tuple[str | None, str, list[dict[str, Any]], str | None]:
+    """(content, finish reason, tool calls, reasoning) of one whole choice."""
     reason = openai_finish_reason(c.finish_reason)
-    if not (req.is_chat and req.tools.active):
-        return c.text, reason, []
-    content, calls = parse_output(req.tools, c.text)
-    return content, finish_reason(reason, calls), calls
+    text, reasoning = c.text, None
+    if req.is_chat and req.reasoning_parser:
+        reasoning, text = split_reasoning(text, req.reasoning_ended)
+        if not req.include_reasoning:
+            reasoning = None
+    if not (req.is_chat and req.tools.active) or text is None:
+        return text, reason, [], reasoning
+    content, calls = parse_output(req.tools, text)
+    return content, finish_reason(reason, calls), calls, reasoning
+
+
+def apply_reasoning(req: GenerationRequest, parser: str | None, generation_prompt: str) -> None:
+    """Set a chat request's reasoning parser (the served model's, None: off) and whether the generation prompt
+    (what the chat template adds after the messages) already ended the reasoning; refuse what cannot be honoured."""
+    if parser is None:
+        if not req.include_reasoning:
+            raise bad_request("include_reasoning=false needs a reasoning parser, and this model is served without "
+                              "one (the frontend's --reasoning-parser): allowed true or null", "include_reasoning")
+        return
+    req.reasoning_parser = parser
+    req.reasoning_ended = prompt_ends_reasoning(generation_prompt, req.chat_template_kwargs)
+    if not req.reasoning_ended and "structured_outputs" in req.sampling:
+        param = req.constraint_param or "structured_outputs"
+        raise bad_request(f"{param} while the model reasons is not supported: this server constrains the reply from "
+                          "its first token, the reasoning included (vLLM starts after </think>); allowed with "
+                          'chat_template_kwargs {"enable_thinking": false}', param)
 
 
 async def _json_body(request: Request) -> Any:
@@ -215,8 +282,23 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
                           "and 'output_ids' outputs): allowed logprobs unset", "logprobs")
     if req.is_chat:
         templates: ChatTemplates = request.app.state.templates
-        req.prompt = await asyncio.to_thread(templates.render, info.name, info.tokenizer_dir, req.messages,
-                                              req.tools, req.chat_template_kwargs)
+        parsers: dict[str, str] = request.app.state.reasoning_parsers
+        parser = parsers.get(info.name, parsers.get("*"))
+
+        def render() -> tuple[str, str]:
+            """The prompt, and with a reasoning parser the generation prompt (the prompt less the bare messages)."""
+            prompt = templates.render(info.name, info.tokenizer_dir, req.messages, req.tools, req.chat_template_kwargs)
+            if parser is None:
+                return prompt, ""
+            try:
+                bare = templates.render(info.name, info.tokenizer_dir, req.messages, req.tools,
+                                        req.chat_template_kwargs, add_generation_prompt=False)
+            except APIError:  # a template that wants the generation prompt: read the whole prompt
+                bare = ""
+            return prompt, prompt[len(bare):] if prompt.startswith(bare) else prompt
+
+        req.prompt, generation_prompt = await asyncio.to_thread(render)
+        apply_reasoning(req, parser, generation_prompt)
     builder = ResponseBuilder(req)
     deltas = backend.generate(info, req.prompt, req.sampling, builder.id)
     try:
@@ -235,8 +317,10 @@ async def _generate(request: Request, parse: Callable[[dict], GenerationRequest]
             return choices
 
         choices = await _unless_disconnected(request, collect())
-        return JSONResponse(builder.full([_whole_choice(req, c) for c in choices.all], choices.usage(),
-                                         [c.logprobs or [] for c in choices.all]))
+        wholes = [_whole_choice(req, c) for c in choices.all]
+        return JSONResponse(builder.full([w[:3] for w in wholes], choices.usage(),
+                                         [c.logprobs or [] for c in choices.all],
+                                         [w[3] for w in wholes] if req.reasoning_parser else None))
     except ClientGone:
         log.info("client left %s before its answer; request cancelled", builder.id)
         return Response(status_code=499)
@@ -265,13 +349,16 @@ def _model_card(name: str, created: int) -> dict[str, Any]:
 
 
 def create_app(triton_url: str, tokenizers: dict[str, str] | None = None,
-               model_repository: str | None = None, admin_key: str | None = None) -> FastAPI:
+               model_repository: str | None = None, admin_key: str | None = None,
+               reasoning_parsers: dict[str, str] | None = None) -> FastAPI:
+    """reasoning_parsers: model name ("*": any other model) -> reasoning parser for its chat replies."""
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.backend = TritonBackend(triton_url, tokenizers, model_repository, admin_key)
         app.state.templates = ChatTemplates()
+        app.state.reasoning_parsers = dict(reasoning_parsers or {})
         try:
             await asyncio.wait_for(_warm_up(app.state.backend, app.state.templates), WARM_UP_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -45,6 +45,13 @@ class GenerationRequest:
     # Contract names -> values, only for what the client set, so the model's own defaults apply otherwise
     # (max_tokens above all: OpenAI's legacy default of 16 would silently truncate).
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The body field whose constraint is in sampling["structured_outputs"] (tool_choice for a forced tool call).
+    constraint_param: str | None = None
+    # chat: the served model's reasoning parser (--reasoning-parser; None: off), whether the generation prompt
+    # already ended the reasoning (enable_thinking false), and whether the reply carries the reasoning.
+    reasoning_parser: str | None = None
+    reasoning_ended: bool = False
+    include_reasoning: bool = True
 
     @property
     def n(self) -> int:
@@ -136,9 +143,9 @@ def _common(body: dict, is_chat: bool) -> GenerationRequest:
         if body.get(name) is not None:
             req.sampling[f.name] = _in_openai_range(f, name, _typed(name, body[name], _JSON_TYPES[f.kind]))
 
-    structured = _structured_outputs(body)
+    param, structured = _structured_outputs(body)
     if structured is not None:
-        req.sampling["structured_outputs"] = structured
+        req.sampling["structured_outputs"], req.constraint_param = structured, param
 
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -167,10 +174,11 @@ _REFUSED_KEYS = {
 _TGI_GRAMMAR_TYPES = {"json": "json", "json_object": "json", "regex": "regex"}
 
 
-def _structured_outputs(body: dict) -> dict | None:
+def _structured_outputs(body: dict) -> tuple[str | None, dict | None]:
     """The request's one constraint as a structured_outputs object for the model, which checks it (a bad schema
     comes back as a 400 naming it): OpenAI's response_format, vLLM's structured_outputs, or another server's
-    field. Two at once are refused; a constraint field that cannot be honoured is refused by name."""
+    field, with the body field that gave it. Two at once are refused; a constraint field that cannot be honoured is
+    refused by name."""
     for key, why in _REFUSED_KEYS.items():
         if body.get(key) not in (None, False, [], ""):
             raise bad_request(f"{key}={body[key]!r:.80} {why}", key)
@@ -192,11 +200,11 @@ def _structured_outputs(body: dict) -> dict | None:
     if len(found) > 1:
         raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output: give one", found[1][0])
     if not found:
-        return None
-    structured = found[0][1]
+        return None, None
+    param, structured = found[0]
     if backend is not None and isinstance(structured, dict) and "backend" not in structured:
         structured = {**structured, "backend": backend}
-    return structured
+    return param, structured
 
 
 def _response_format(fmt: Any) -> dict | None:
@@ -348,8 +356,9 @@ def parse_chat(body: dict) -> GenerationRequest:
         if "structured_outputs" in req.sampling:
             raise bad_request(f"tool_choice={body.get('tool_choice')!r:.80} and response_format both constrain the "
                               "output: give one", "tool_choice")
-        req.sampling["structured_outputs"] = forced
+        req.sampling["structured_outputs"], req.constraint_param = forced, "tool_choice"
     req.chat_template_kwargs = _template_kwargs(body)
+    _reasoning_fields(req, body)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request(f"modalities={modalities!r} is not supported: allowed only ['text']", "modalities")
@@ -366,6 +375,28 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad_request(f"top_logprobs={top!r:.80} needs logprobs=true: allowed top_logprobs only with logprobs "
                           "true", "top_logprobs")
     return req
+
+
+# Reasoning fields of other servers this one cannot honour (no effort levels, no thinking budget): refused when set.
+_REFUSED_REASONING = {
+    "reasoning_effort": "is not supported: this server sets no reasoning effort; allowed null (Qwen3 thinks unless "
+                        "chat_template_kwargs has enable_thinking false)",
+    "thinking_token_budget": "is not supported: this server does not cap the reasoning; allowed null (max_tokens "
+                             "caps the whole reply)",
+    "reasoning": "is not supported (OpenRouter's reasoning object): allowed null; include_reasoning and "
+                 "chat_template_kwargs.enable_thinking are read",
+}
+
+
+def _reasoning_fields(req: GenerationRequest, body: dict) -> None:
+    """vLLM's include_reasoning (honoured where the model has a reasoning parser: app.apply_reasoning)."""
+    for name, why in _REFUSED_REASONING.items():
+        _refuse_if_set(body, name, why=why)
+    include = body.get("include_reasoning")
+    if include is not None:
+        if not isinstance(include, bool):
+            raise bad_request(f"include_reasoning={include!r:.80} is not a boolean", "include_reasoning")
+        req.include_reasoning = include
 
 
 def _model_name(body: Any) -> str:

@@ -49,6 +49,12 @@ def completion_logprobs(tokens: list[TokenLogprob], n: int, offset: int = 0) -> 
             "top_logprobs": [{**dict(_top(t, n)), t.token: t.logprob} for t in tokens], "text_offset": offsets}
 
 
+def reasoning_fields(text: str | None) -> dict[str, Any]:
+    """A chat message's or delta's reasoning, under vLLM's current name and its earlier one (reasoning_content),
+    which clients still read."""
+    return {"reasoning_content": text, "reasoning": text}
+
+
 class ResponseBuilder:
     """Holds what every body of one request shares (id, created, model) and shapes each kind of body."""
 
@@ -88,20 +94,24 @@ class ResponseBuilder:
             return chat_logprobs(tokens, self.req.logprobs)
         return completion_logprobs(tokens, self.req.logprobs, offset)
 
-    def delta_chunk(self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
-        """A chat chunk with any delta (content, tool_calls)."""
+    def delta_chunk(self, delta: dict[str, Any], finish_reason: str | None = None, index: int = 0,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chat chunk with any delta (content, tool_calls, reasoning)."""
         return {**self._stream_head(), "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def usage_chunk(self, usage_block: dict[str, Any]) -> dict[str, Any]:
         return {**self._stream_head(), "choices": [], "usage": usage_block}
 
     def full(self, choices: list[tuple[str | None, str, list[dict[str, Any]]]], usage_block: dict[str, Any],
-             logprobs: list[list[TokenLogprob] | None] | None = None) -> dict[str, Any]:
-        """choices: (text, finish reason, tool calls) per sample, in index order; logprobs: each one's tokens."""
+             logprobs: list[list[TokenLogprob] | None] | None = None,
+             reasoning: list[str | None] | None = None) -> dict[str, Any]:
+        """choices: (text, finish reason, tool calls) per sample, in index order; logprobs: each one's tokens;
+        reasoning: each one's reasoning when the model has a reasoning parser (None: no reasoning fields)."""
         blocks = [self.logprobs(lps) for lps in logprobs] if logprobs else [None] * len(choices)
         if self.req.is_chat:
             body = [{"index": i, "message": {"role": "assistant", "content": text,
+                                             **(reasoning_fields(reasoning[i]) if reasoning is not None else {}),
                                              **({"tool_calls": calls} if calls else {})},
                      "logprobs": blocks[i], "finish_reason": reason} for i, (text, reason, calls) in enumerate(choices)]
             head = self._head("chat.completion")

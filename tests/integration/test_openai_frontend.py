@@ -605,3 +605,69 @@ def test_other_servers_constraint_fields_are_honoured_or_refused(client):
         client.chat.completions.create(model="smol", messages=ask, max_tokens=5,
                                        extra_body={"grammar": 'root ::= "yes" | "no"'})  # llama.cpp's GBNF
     assert e.value.body["param"] == "grammar" and "GBNF" in e.value.message
+
+
+# ---- reasoning parser (vLLM's --reasoning-parser qwen3, issue 41) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_frontends(tmp_path_factory):
+    """tiny-qwen3 (random weights: it writes no think tags of its own) behind two frontends of one tritonserver:
+    one started with --reasoning-parser qwen3, one without."""
+    from engine_helpers import TINY_QWEN3
+
+    if not (Path(TINY_QWEN3) / "config.json").exists():
+        pytest.skip(f"{TINY_QWEN3} missing: run scripts/prepare_models.py")
+    tmp = tmp_path_factory.mktemp("reasoning_stack")
+    repo = make_model_repository(MODEL_REPOSITORY, tmp / "repo", {
+        "qwen3": {"model": Path(TINY_QWEN3), "kv_cache_memory_bytes": SMALL_KV, "max_model_len": 1024}})
+    server = TritonServer(repo, log_path=tmp / "server.log")
+    with server:
+        with FrontendProcess(server.grpc_url, tmp / "on.log", ("--reasoning-parser", "qwen3")) as on, \
+                FrontendProcess(server.grpc_url, tmp / "off.log") as off:
+            yield [openai.OpenAI(base_url=f"{f.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+                   for f in (on, off)]
+    assert server.leftovers() == []
+
+
+def test_reasoning_parser_is_opt_in_and_splits_qwen3_replies_as_vllm(qwen3_frontends):
+    from openai_frontend.reasoning import split
+
+    on, off = qwen3_frontends
+    ask = dict(model="qwen3", messages=CHAT, max_tokens=8, temperature=0)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    # Off (the default): the reply is as before, no reasoning keys.
+    plain = off.chat.completions.create(**ask).choices[0].message
+    assert not {"reasoning_content", "reasoning"} & set(plain.model_extra or {})
+    plain_off = off.chat.completions.create(**ask, extra_body=no_thinking).choices[0].message
+    # On, thinking (Qwen3's default): the same text read as vLLM's qwen3 parser reads it; without a </think> it is
+    # all reasoning and content is null (a reply cut while thinking).
+    r = on.chat.completions.create(**ask).choices[0].message
+    assert r.model_extra["reasoning_content"] == r.model_extra["reasoning"]
+    assert (r.model_extra["reasoning"], r.content) == split(plain.content)
+    streamed = collections.defaultdict(str)
+    for chunk in on.chat.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            streamed["content"] += c.delta.content or ""
+            for key in ("reasoning_content", "reasoning"):
+                streamed[key] += (c.delta.model_extra or {}).get(key) or ""
+    assert streamed["reasoning_content"] == streamed["reasoning"] == (r.model_extra["reasoning"] or "")
+    assert streamed["content"] == (r.content or "")
+    # On, enable_thinking false: the template closed the block, so the key is there, null, and content unchanged.
+    r = on.chat.completions.create(**ask, extra_body=no_thinking).choices[0].message
+    assert r.model_extra["reasoning_content"] is None and r.model_extra["reasoning"] is None
+    assert r.content == plain_off.content
+    # Completions are not parsed, as in vLLM.
+    prompt = dict(model="qwen3", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert on.completions.create(**prompt).choices[0].text == off.completions.create(**prompt).choices[0].text
+    # What cannot be honoured is refused by name.
+    with pytest.raises(openai.BadRequestError) as e:
+        off.chat.completions.create(**ask, extra_body={"include_reasoning": False})
+    assert e.value.body["param"] == "include_reasoning" and "--reasoning-parser" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        on.chat.completions.create(**ask, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and "enable_thinking" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        on.chat.completions.create(**ask, reasoning_effort="low")
+    assert e.value.body["param"] == "reasoning_effort"
+    r = on.chat.completions.create(**ask, extra_body={"include_reasoning": False}).choices[0].message
+    assert r.model_extra["reasoning"] is None and r.content == split(plain.content)[1]
